@@ -1,0 +1,3 @@
+from mrc_lib.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""Throughput and peak memory of a reader at the full profile's size, on synthetic batches.
+
+The reader is built with the ``full`` profile's hyperparameters over a random vocabulary the
+shape of SQuAD v1.1's with GloVe 50d, and fed random batches with contexts of ``seq_len``
+tokens and questions of 30. After a few warm-up steps it measures training (forward, backward,
+optimizer step and weight averaging, exactly the trainer's step) and inference examples per
+second, and projects the seconds per epoch of SQuAD v1.1 training.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from mrc_lib.config import resolve_config
+from mrc_lib.models import build_model
+from mrc_lib.train import (
+    EMA,
+    autocast,
+    build_optimizer,
+    count_parameters,
+    device_name,
+    peak_memory_bytes,
+    resolve_device,
+    train_step,
+)
+from mrc_lib.utils import atomic_write_json
+
+SQUAD_TRAIN_EXAMPLES = 87_599
+QUESTION_LEN = 30
+WORD_CHARS = 16  # the data pipeline truncates words to 16 characters
+WARMUP_STEPS = 3
+
+
+@dataclass
+class SyntheticVocab:
+    """A random vocabulary with the sizes of SQuAD v1.1's: about 90k words with 50-dimensional
+    GloVe vectors, of which the first ``n_trainable`` are learned."""
+
+    word_vectors: np.ndarray
+    n_trainable: int = 1_000
+    n_chars: int = 300
+    n_feats: int = 4
+
+    @classmethod
+    def random(cls, size: int = 90_000, dim: int = 50, seed: int = 0) -> SyntheticVocab:
+        rng = np.random.default_rng(seed)
+        return cls(rng.normal(0.0, 0.4, (size, dim)).astype(np.float32))
+
+
+def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
+                    question_len: int = QUESTION_LEN, seed: int = 0) -> dict[str, Tensor]:
+    """A random batch with every key of :mod:`mrc_lib.data` batches and no padding."""
+    g = torch.Generator().manual_seed(seed)
+    V = len(vocab.word_vectors)
+
+    def side(length: int) -> tuple[Tensor, Tensor, Tensor]:
+        words = torch.randint(1, V, (batch_size, length), generator=g)
+        chars = torch.randint(1, vocab.n_chars, (batch_size, length, WORD_CHARS), generator=g)
+        return words, chars, torch.ones(batch_size, length, dtype=torch.bool)
+
+    c_words, c_chars, c_mask = side(context_len)
+    q_words, q_chars, q_mask = side(question_len)
+    y1 = torch.randint(0, context_len, (batch_size,), generator=g)
+    y2 = (y1 + torch.randint(0, 15, (batch_size,), generator=g)).clamp(max=context_len - 1)
+    return {"c_words": c_words, "c_chars": c_chars, "c_mask": c_mask,
+            "q_words": q_words, "q_chars": q_chars, "q_mask": q_mask,
+            "c_feats": torch.rand(batch_size, context_len, vocab.n_feats, generator=g),
+            "q_type": torch.zeros(batch_size, dtype=torch.long), "y1": y1, "y2": y2,
+            "has_answer": torch.ones(batch_size, dtype=torch.bool),
+            "idx": torch.arange(batch_size)}
+
+
+def _seconds(fn: Callable[[], object], steps: int, device: torch.device) -> float:
+    """Wall time of ``steps`` calls of ``fn`` after ``WARMUP_STEPS`` untimed ones."""
+    for _ in range(WARMUP_STEPS):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - tic
+
+
+def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int = 10,
+          device: str = "auto") -> dict:
+    """Measure reader ``model_name`` (full-profile hyperparameters) on synthetic batches."""
+    cfg = resolve_config(model_name, profile="full",
+                         overrides=[f"device={device}", f"batch_size={batch_size}"])
+    dev = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    vocab = SyntheticVocab.random()
+    model = build_model(cfg.model, vocab, **cfg.hparams).to(dev)
+    optimizer = build_optimizer(cfg, model, dev)
+    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
+    batch = {k: v.to(dev) for k, v in synthetic_batch(vocab, batch_size, seq_len).items()}
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+
+    def train_once():
+        train_step(model, batch, optimizer, cfg, dev)
+        if ema is not None:
+            ema.update(model)
+
+    @torch.no_grad()
+    def infer_once():
+        with autocast(cfg, dev):
+            model(batch)
+
+    model.train()
+    train_seconds = _seconds(train_once, steps, dev)
+    model.eval()
+    infer_seconds = _seconds(infer_once, steps, dev)
+    train_rate = steps * batch_size / train_seconds
+    return {
+        "model": cfg.model, "device": device_name(dev), "torch": torch.__version__,
+        "bf16": cfg.bf16 and dev.type == "cuda", "seq_len": seq_len,
+        "question_len": QUESTION_LEN, "batch_size": batch_size, "steps": steps,
+        "params": count_parameters(model),
+        "train_examples_per_s": train_rate,
+        "infer_examples_per_s": steps * batch_size / infer_seconds,
+        "projected_epoch_seconds": SQUAD_TRAIN_EXAMPLES / train_rate,
+        "peak_memory_bytes": peak_memory_bytes(dev),
+    }
+
+
+def bench_cli(args) -> dict:
+    """``python -m mrc_lib bench``: print (and with ``--out`` also write) the measurements."""
+    result = bench(args.model, args.seq_len, args.batch_size, args.steps, args.device)
+    if args.out:
+        atomic_write_json(Path(args.out), result)
+    return result

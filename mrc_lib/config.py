@@ -1,0 +1,243 @@
+"""Training configuration: one dataclass, filled from a profile, a file and ``--set`` overrides.
+
+A *profile* (``mrc_lib/profiles/NAME.yaml``) is data: an optional ``defaults:`` section and one
+section per model (``bidaf:``, ``qanet:``) giving values for the fields of :class:`TrainConfig`.
+The resolved configuration is, from lowest to highest precedence::
+
+    TrainConfig defaults < profile defaults < profile[model] < --config FILE < --set key=value
+
+Values of ``--set`` are parsed as YAML; a dotted key (``hparams.hidden=50``) sets one entry of a
+dict-valued field. Unknown keys and ill-typed values are :class:`~mrc_lib.errors.UserError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from mrc_lib.errors import UserError
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+
+CHOICES = {
+    "optimizer": ("adam", "adamw", "adadelta"),
+    "warmup": ("linear", "log"),
+    "device": ("auto", "cpu", "cuda"),
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that determines a training run.
+
+    Attributes:
+        model: registered reader name (:func:`mrc_lib.models.build_model`).
+        dataset: prepared dataset name, e.g. ``"squad-v1.1"``.
+        profile: the profile the values came from (recorded, not interpreted).
+        hparams: keyword arguments of the model (its defaults are the paper's values).
+        glove: word vectors the vocabulary is built from.
+        limits: first-N examples per split (``{"train": 1500, "dev": 300}``), or ``None``: all.
+        context_limit: longest training context in tokens; longer training examples are dropped
+            (dev examples are kept whole).
+        question_limit: longest question in tokens; longer questions are truncated.
+        optimizer: ``adam`` (L2 weight decay added to the gradient, as in QANet), ``adamw``
+            (decoupled weight decay) or ``adadelta`` (BiDAF). Adam/AdamW use the fused kernel
+            on CUDA.
+        lr: peak learning rate.
+        betas: Adam's ``(β1, β2)``.
+        eps: the optimizer's ε (Adam: 1e-8 by default; QANet uses 1e-7).
+        rho: Adadelta's decay of the squared-gradient averages (0.95, TensorFlow's default as
+            in BiDAF's code).
+        weight_decay: L2 penalty (``adam``, ``adadelta``) or decoupled decay (``adamw``).
+        warmup_steps: number of optimizer steps over which the learning rate rises to ``lr``
+            (0: no warm-up).
+        warmup: shape of the warm-up, ``linear`` (``k / W``) or ``log`` (``ln(k+1) / ln(W+1)``,
+            QANet's inverse-exponential increase).
+        plateau_factor: multiply the learning rate by this factor when dev F1 has not improved
+            for ``plateau_patience`` epochs; ``None``: no decay.
+        plateau_patience: epochs without a dev F1 improvement before a decay.
+        grad_clip: clip the global gradient norm to this value; ``None``: no clipping.
+        ema_decay: decay of the exponential moving average of the weights used for
+            evaluation and saved (BiDAF 0.999, QANet 0.9999); ``None``: no averaging.
+        epochs: number of passes over the training split.
+        max_steps: stop after this many optimizer steps in total (the last epoch is then
+            partial); ``None``: run all epochs.
+        batch_size: training examples per step (per process under DDP).
+        eval_batch_size: examples per forward pass in evaluation and prediction.
+        seed: seeds Python, NumPy and torch, and the batch order.
+        device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+        bf16: bfloat16 autocast for forward passes (CUDA only; ignored on CPU).
+        compile: wrap the model in :func:`torch.compile` for training.
+        checkpoint_every: also write a checkpoint every this many steps (one is always written
+            at the end of each epoch); ``None``: only at epoch ends.
+        log_every: write the mean training loss to ``log.jsonl`` every this many steps.
+        max_answer_len: longest answer span, in tokens, considered by the decoder.
+    """
+
+    model: str
+    dataset: str = "squad-v1.1"
+    profile: str = "smoke"
+    hparams: dict = field(default_factory=dict)
+    glove: str = "glove.6B.50d"
+    limits: dict | None = None
+    context_limit: int = 400
+    question_limit: int = 50
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    rho: float = 0.95
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    warmup: str = "linear"
+    plateau_factor: float | None = None
+    plateau_patience: int = 1
+    grad_clip: float | None = None
+    ema_decay: float | None = None
+    epochs: int = 1
+    max_steps: int | None = None
+    batch_size: int = 32
+    eval_batch_size: int = 64
+    seed: int = 0
+    device: str = "auto"
+    bf16: bool = False
+    compile: bool = False
+    checkpoint_every: int | None = None
+    log_every: int = 50
+    max_answer_len: int = 15
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(f"config {name}={getattr(self, name)!r}: expected one of "
+                                f"{', '.join(allowed)}")
+
+    def to_dict(self) -> dict:
+        """A JSON-ready copy (``config.json``)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> TrainConfig:
+        """The inverse of :meth:`to_dict`; unknown keys are a :class:`UserError`."""
+        _check_keys(values, "config")
+        return cls(**values)
+
+
+def _check_type(name: str, value, hint):
+    """``value`` as the type ``hint`` (``int``, ``float``, ``bool``, ``str``, ``dict``, a tuple
+    of floats, or one of these ``| None``); ints are accepted for floats, and numeric strings
+    (YAML reads ``1e-3`` as a string) for numbers."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    base = next(t for t in options if t is not type(None))
+    origin = typing.get_origin(base) or base
+    try:
+        if origin is float and not isinstance(value, bool | dict | list | None):
+            return float(value)
+        if origin is int and not isinstance(value, bool | float | dict | list | None):
+            return int(value)
+        if origin is tuple and isinstance(value, list | tuple):
+            items = typing.get_args(base)
+            if len(value) == len(items):
+                return tuple(_check_type(name, v, t) for v, t in zip(value, items))
+        if origin in (bool, str, dict) and isinstance(value, origin):
+            return value
+    except (TypeError, ValueError):
+        pass
+    raise UserError(f"config {name}={value!r}: expected {hint}")
+
+
+def _check_keys(values: dict, where: str) -> None:
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise UserError(f"{where}: unknown config key(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(sorted(known))}")
+
+
+def _merge(base: dict, update: dict) -> dict:
+    """``base`` updated by ``update``, dict-valued entries merged one level deep."""
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = {**merged[key], **value}
+        merged[key] = value
+    return merged
+
+
+def _read_mapping(path: Path, what: str) -> dict:
+    try:
+        values = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
+    except OSError as e:
+        raise UserError(f"{path}: cannot read {what}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML/JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: a {what} must be a mapping of config keys")
+    return values
+
+
+def available_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
+
+
+def profile_values(profile: str, model: str) -> dict:
+    """The values profile ``profile`` gives model ``model``: its defaults, then its section."""
+    path = PROFILE_DIR / f"{profile}.yaml"
+    if not path.is_file():
+        raise UserError(f"unknown profile {profile!r}; known: {', '.join(available_profiles())}")
+    sections = _read_mapping(path, "profile")
+    if model not in sections:
+        models = sorted(set(sections) - {"defaults"})
+        raise UserError(f"profile {profile!r} has no section for model {model!r}; it has: "
+                        f"{', '.join(models)}")
+    values = _merge(sections.get("defaults") or {}, sections[model] or {})
+    _check_keys(values, f"{path} [{model}]")
+    return values
+
+
+def parse_override(item: str) -> dict:
+    """``"key=value"`` or ``"key.sub=value"`` to a nested dict, the value parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise UserError(f"--set {item!r}: expected KEY=VALUE")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise UserError(f"--set {item!r}: value is not valid YAML: {e}") from None
+    for part in reversed(key.split(".")[1:]):
+        value = {part: value}
+    return {key.split(".")[0]: value}
+
+
+def apply_overrides(values: dict, config_file: str | Path | None = None,
+                    overrides: typing.Iterable[str] = ()) -> TrainConfig:
+    """``values`` updated by a yaml/json ``config_file`` and then by ``--set`` ``overrides``."""
+    if config_file is not None:
+        from_file = _read_mapping(Path(config_file), "config file")
+        _check_keys(from_file, str(config_file))
+        values = _merge(values, from_file)
+    for item in overrides:
+        update = parse_override(item)
+        _check_keys(update, f"--set {item}")
+        values = _merge(values, update)
+    return TrainConfig.from_dict(values)
+
+
+def resolve_config(model: str, dataset: str = "squad-v1.1", profile: str = "smoke",
+                   config_file: str | Path | None = None,
+                   overrides: typing.Iterable[str] = ()) -> TrainConfig:
+    """Build the :class:`TrainConfig` of a new run (see the module docstring for precedence)."""
+    values = _merge({"model": model, "dataset": dataset, "profile": profile},
+                    profile_values(profile, model))
+    return apply_overrides(values, config_file, overrides)

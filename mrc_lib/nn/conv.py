@@ -1,0 +1,112 @@
+"""QANet's convolution + self-attention encoder block and its parts (Yu et al. 2018)."""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from mrc_lib.nn.attention import MultiHeadSelfAttention
+
+
+class DepthwiseSeparableConv(nn.Module):
+    """Depthwise separable convolution (Chollet 2017): a per-channel convolution over time
+    ("same" padding) followed by a 1×1 convolution across channels.
+
+    Input ``[B, L, in_ch]``, output ``[B, L, out_ch]``, optionally through a ReLU; padding
+    positions are zeroed before the convolution (so they never leak into real positions) and
+    in the output.
+    """
+
+    def __init__(self, in_ch: int, out_ch: int, kernel_size: int, relu: bool = False) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv1d(in_ch, in_ch, kernel_size, padding="same", groups=in_ch)
+        self.pointwise = nn.Conv1d(in_ch, out_ch, 1)
+        self.activation = nn.ReLU() if relu else nn.Identity()
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        if mask is not None:
+            x = x.masked_fill(~mask.unsqueeze(-1), 0.0)
+        y = self.activation(self.pointwise(self.depthwise(x.transpose(1, 2))).transpose(1, 2))
+        return y if mask is None else y.masked_fill(~mask.unsqueeze(-1), 0.0)
+
+
+def sinusoidal_positions(
+    length: int, dim: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+) -> Tensor:
+    """``PE[pos, 2i] = sin(pos / 10000^(2i/d))``, ``PE[pos, 2i+1] = cos(...)`` (Vaswani et al.
+    2017 Sec. 3.5): ``[length, dim]``.
+    """
+    pos = torch.arange(length, device=device, dtype=torch.float32).unsqueeze(1)
+    freq = torch.exp(
+        torch.arange(0, dim, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / dim)
+    )
+    angles = pos * freq  # [length, ceil(dim / 2)]
+    pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)[:, :dim]
+    return pe.to(dtype) if dtype is not None else pe
+
+
+def add_positions(x: Tensor) -> Tensor:
+    """Add sinusoidal position encodings to ``x`` of shape ``[B, L, d]``."""
+    return x + sinusoidal_positions(x.shape[1], x.shape[2], x.device, x.dtype)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward layer ``W2 relu(W1 x)`` (Vaswani et al. 2017 Eq. 2).
+
+    ``forward`` takes (and ignores) the mask, like the other sublayers of :class:`EncoderBlock`.
+    """
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class EncoderBlock(nn.Module):
+    """QANet encoder block (Yu et al. 2018 Sec. 2.2, Fig. 1 right).
+
+    ``x + positions``, then sublayers ``[convolution × num_convs, self-attention, feed-forward]``,
+    each wrapped as ``x + dropout(f(layernorm(x)))``. The convolutions are depthwise separable
+    with a ReLU, as in the authors' code.
+
+    Stochastic depth (Huang et al. 2016): sublayer ``l`` of the ``L`` sublayers in the whole
+    stack survives training with probability ``1 − l/L · layer_dropout`` and is rescaled by it
+    when kept, so evaluation uses every sublayer unscaled. ``layer_index`` (1-based) and
+    ``total_layers`` place this block in its stack of blocks; sublayers are counted across the
+    stack, as in the authors' code.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_convs: int,
+        kernel_size: int,
+        heads: int,
+        dropout: float = 0.1,
+        layer_dropout: float = 0.0,
+        layer_index: int = 1,
+        total_layers: int = 1,
+    ) -> None:
+        super().__init__()
+        per_block = num_convs + 2
+        first = (layer_index - 1) * per_block + 1
+        total = total_layers * per_block
+        self.drop_probs = [layer_dropout * l / total for l in range(first, first + per_block)]
+        self.sublayers = nn.ModuleList(
+            [DepthwiseSeparableConv(dim, dim, kernel_size, relu=True) for _ in range(num_convs)]
+            + [MultiHeadSelfAttention(dim, heads, dropout), FeedForward(dim)]
+        )
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in self.sublayers)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        """``[B, L, dim]`` to ``[B, L, dim]``; zero at padding positions."""
+        x = add_positions(x)
+        for f, norm, p_drop in zip(self.sublayers, self.norms, self.drop_probs):
+            if not self.training:
+                x = x + f(norm(x), mask)
+            elif torch.rand(()) >= p_drop:  # the sublayer survives; otherwise it is the identity
+                x = x + self.dropout(f(norm(x), mask)) / (1.0 - p_drop)
+        return x.masked_fill(~mask.unsqueeze(-1), 0.0)

@@ -1,0 +1,36 @@
+"""Span-extraction loss and decoding, shared by every extractive reader."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def span_loss(start_logits: Tensor, end_logits: Tensor, y1: Tensor, y2: Tensor) -> Tensor:
+    """Mean negative log-likelihood of the gold start and end (BiDAF Eq. 6), averaged over the
+    two ends and the batch. Logits are ``[B, L]`` and already masked.
+    """
+    return (F.cross_entropy(start_logits, y1) + F.cross_entropy(end_logits, y2)) / 2
+
+
+def decode_span(p_start: Tensor, p_end: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Most probable span: ``argmax p_start[i] · p_end[j]`` over ``i ≤ j`` with ``j − i < max_len``.
+
+    ``p_start`` and ``p_end`` are ``[B, L]`` probabilities. Only the ``[B, L, max_len]`` band of
+    candidate pairs ``(i, i + k)`` is scored; ties go to the smallest ``i`` and then the smallest
+    ``j``, as in a scan over ``i`` then ``j``. Returns ``(start, end, score)``, each ``[B]``.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be at least 1, got {max_len}")
+    L = p_start.shape[1]
+    # band[b, i, k] = p_end[b, i + k], with positions past the end padded and masked below.
+    band = F.pad(p_end, (0, max_len - 1)).unfold(1, max_len, 1)  # [B, L, max_len]
+    scores = p_start.unsqueeze(-1) * band
+    i = torch.arange(L, device=p_start.device).unsqueeze(1)
+    k = torch.arange(max_len, device=p_start.device)
+    scores = scores.masked_fill(i + k >= L, float("-inf"))
+    # argmax returns the first maximum of the row-major (i, k) order, i.e. of the (i, j) order.
+    scores = scores.flatten(1)
+    flat = scores.argmax(dim=1)
+    score = scores.gather(1, flat.unsqueeze(1)).squeeze(1)
+    start = flat // max_len
+    return start, start + flat % max_len, score

@@ -1,0 +1,692 @@
+"""The training engine shared by every reader.
+
+One loop trains any reader of :mod:`mrc_lib.models` on a prepared SQuAD split, as the papers
+describe it: minimize the span negative log-likelihood (BiDAF Eq. 6) with Adam or Adadelta, a
+learning-rate warm-up (QANet Sec. 3.1), gradient clipping and an exponential moving average
+of the weights, which is what gets evaluated and saved. Every epoch ends with the official
+SQuAD evaluation on dev.
+
+A run lives in one directory ``OUT``:
+
+* ``config.json``: the resolved :class:`~mrc_lib.config.TrainConfig`;
+* ``log.jsonl``: one JSON line per ``log_every`` steps and per epoch;
+* ``checkpoint.pt``: everything needed to resume exactly (weights, averaged weights, optimizer,
+  schedule, random-number states, position in the data, history), written atomically every
+  ``checkpoint_every`` steps and at each epoch end;
+* ``metrics.json``, ``predictions.json`` (``na_prob.json`` for readers with a no-answer head),
+  ``model.pt`` (averaged weights) and ``vocab/``: the latest epoch's results, enough for
+  :func:`predict_cli`.
+
+Under ``torchrun`` (``WORLD_SIZE > 1``) each process takes every ``world_size``-th batch of the
+same deterministic order, gradients are averaged by DistributedDataParallel and only rank 0
+evaluates and writes files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import platform
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from mrc_lib.checkpoint import (
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    seed_everything,
+    set_rng_state,
+)
+from mrc_lib.config import TrainConfig, apply_overrides, resolve_config
+from mrc_lib.errors import UserError
+from mrc_lib.metrics import evaluate as official_evaluate
+from mrc_lib.models import build_model
+from mrc_lib.nn import decode_span, span_loss
+from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
+
+# Config keys that may differ when a run is resumed; any other change is refused.
+RESUMABLE_CHANGES = {"epochs", "max_steps", "checkpoint_every", "log_every", "eval_batch_size",
+                     "device", "compile"}
+
+
+# --- weight averaging and learning-rate schedule -----------------------------------------------
+
+
+class EMA:
+    """Exponential moving average of the trainable weights (BiDAF Sec. 4, QANet Sec. 3.1).
+
+    After the ``n``-th optimizer step, ``θ̄ ← d_n θ̄ + (1 − d_n) θ`` with
+    ``d_n = min(d, (1 + n) / (10 + n))``, the ``num_updates`` rule of TensorFlow's
+    ``ExponentialMovingAverage`` that the papers' code uses: early averages are not dominated by
+    the random initialization.
+    """
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        self.num_updates = 0
+        self.shadow = {name: p.detach().clone() for name, p in model.named_parameters()
+                       if p.requires_grad}
+
+    def _params(self, model: nn.Module) -> list[Tensor]:
+        params = dict(model.named_parameters())
+        return [params[name] for name in self.shadow]
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.num_updates += 1
+        n = self.num_updates
+        d = min(self.decay, (1 + n) / (10 + n))
+        # θ̄ + (1 − d)(θ − θ̄) = d θ̄ + (1 − d) θ, one fused kernel for all tensors.
+        torch._foreach_lerp_(list(self.shadow.values()), self._params(model), 1 - d)
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module):
+        """Load the averaged weights into ``model`` for the duration of the block."""
+        params = self._params(model)
+        with torch.no_grad():
+            backup = [p.detach().clone() for p in params]
+            torch._foreach_copy_(params, list(self.shadow.values()))
+        try:
+            yield model
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, backup)
+
+    def state_dict(self) -> dict:
+        return {"num_updates": self.num_updates, "shadow": self.shadow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_updates = state["num_updates"]
+        for name, value in state["shadow"].items():
+            self.shadow[name].copy_(value)
+
+
+def averaged(model: nn.Module, ema: EMA | None):
+    """The block runs with ``model``'s averaged weights (its own weights without an EMA)."""
+    return ema.applied(model) if ema is not None else contextlib.nullcontext(model)
+
+
+def warmup_factor(k: int, warmup_steps: int, kind: str) -> float:
+    """Fraction of the peak learning rate at optimizer step ``k = 1, 2, ...``: ``k / W``
+    (``linear``) or ``ln(k + 1) / ln(W + 1)`` (``log``, QANet's inverse-exponential increase),
+    and 1 from step ``W`` on."""
+    if k >= warmup_steps:
+        return 1.0
+    if kind == "linear":
+        return k / warmup_steps
+    return math.log(k + 1) / math.log(warmup_steps + 1)
+
+
+class LRSchedule:
+    """``lr_k = lr · warmup(k) · factor^m``: the warm-up advances with every optimizer step, and
+    ``m`` counts the plateaus, runs of ``plateau_patience`` epochs without a better dev F1."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig):
+        self.optimizer, self.cfg = optimizer, cfg
+        self.steps = 0
+        self.scale = 1.0
+        self.best = -math.inf
+        self.bad_epochs = 0
+        self._apply()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next optimizer step."""
+        cfg = self.cfg
+        return cfg.lr * warmup_factor(self.steps + 1, cfg.warmup_steps, cfg.warmup) * self.scale
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+
+    def step(self) -> None:
+        """Call after each optimizer step."""
+        self.steps += 1
+        self._apply()
+
+    def epoch_end(self, f1: float) -> None:
+        """Call after each evaluation with the dev F1."""
+        if self.cfg.plateau_factor is None:
+            return
+        if f1 > self.best:
+            self.best, self.bad_epochs = f1, 0
+            return
+        self.bad_epochs += 1
+        if self.bad_epochs >= self.cfg.plateau_patience:
+            self.scale *= self.cfg.plateau_factor
+            self.bad_epochs = 0
+            self._apply()
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "scale": self.scale, "best": self.best,
+                "bad_epochs": self.bad_epochs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps, self.scale = state["steps"], state["scale"]
+        self.best, self.bad_epochs = state["best"], state["bad_epochs"]
+        self._apply()
+
+
+def build_optimizer(cfg: TrainConfig, model: nn.Module,
+                    device: torch.device) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg`` over ``model``'s trainable parameters."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optimizer == "adadelta":
+        return torch.optim.Adadelta(params, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps,
+                                    weight_decay=cfg.weight_decay)
+    adam = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+    return adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                fused=device.type == "cuda")
+
+
+# --- loss, decoding, evaluation ----------------------------------------------------------------
+
+
+def reader_loss(out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
+    """The span negative log-likelihood (BiDAF Eq. 6), averaged over the answerable examples.
+    A reader that also returns ``na_logits`` (SQuAD 2.0) adds the binary cross-entropy of
+    ``σ(na_logits)`` against "no answer"."""
+    has = batch["has_answer"]
+    # Unanswerable examples get the target -100, which cross-entropy ignores in its mean.
+    y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
+    span = span_loss(out["start_logits"].float(), out["end_logits"].float(), y1, y2)
+    if "na_logits" not in out:
+        return span
+    na = F.binary_cross_entropy_with_logits(out["na_logits"].float(), (~has).float())
+    return na + span if has.any() else na  # the mean over no example is NaN
+
+
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+def autocast(cfg: TrainConfig, device: torch.device):
+    """bfloat16 autocast when ``cfg.bf16`` and on CUDA; otherwise full precision."""
+    return torch.autocast(device.type, dtype=torch.bfloat16,
+                          enabled=cfg.bf16 and device.type == "cuda")
+
+
+def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer,
+               cfg: TrainConfig, device: torch.device) -> Tensor:
+    """Forward, backward, gradient clipping and one optimizer step on a batch already on
+    ``device``; returns the loss, detached but left on the device (no synchronization)."""
+    with autocast(cfg, device):
+        out = net(batch)
+    loss = reader_loss(out, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip is not None:
+        nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
+@torch.no_grad()
+def predict_spans(model: nn.Module, split, cfg: TrainConfig,
+                  device: torch.device) -> Iterator[tuple[int, int, int, float, float | None]]:
+    """The most probable span of every example of ``split`` (``model`` in eval mode), as
+    ``(index, start_token, end_token, p_start · p_end, no-answer probability or None)``."""
+    for batch in split.batches(cfg.eval_batch_size, shuffle=False):
+        with autocast(cfg, device):
+            out = model(to_device(batch, device))
+        p_start = out["start_logits"].float().softmax(-1)
+        p_end = out["end_logits"].float().softmax(-1)
+        start, end, score = decode_span(p_start, p_end, cfg.max_answer_len)
+        na = (out["na_logits"].float().sigmoid().tolist() if "na_logits" in out
+              else [None] * len(start))
+        yield from zip(batch["idx"].tolist(), start.tolist(), end.tolist(), score.tolist(), na)
+
+
+def evaluate_split(model: nn.Module, split, cfg: TrainConfig,
+                   device: torch.device) -> tuple[dict, dict[str, str], dict[str, float] | None]:
+    """Official scores of ``model`` on ``split``, with the predictions (qid → answer text; ``""``
+    when the no-answer probability exceeds 1/2) and the no-answer probabilities (or ``None``)."""
+    model.eval()
+    qids = split.qids
+    predictions, na_probs = {}, {}
+    for i, start, end, _, na in predict_spans(model, split, cfg, device):
+        qid = qids[i]
+        answered = na is None or na <= 0.5
+        predictions[qid] = split.answer_text(i, start, end) if answered else ""
+        if na is not None:
+            na_probs[qid] = na
+    na_probs = na_probs or None
+    return official_evaluate(split.squad_json(), predictions, na_probs), predictions, na_probs
+
+
+# --- the machine -------------------------------------------------------------------------------
+
+
+def resolve_device(name: str, index: int = 0) -> torch.device:
+    """``auto``, ``cpu`` or ``cuda`` to a device (``cuda:index``)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise UserError("device 'cuda' requested but CUDA is not available; use "
+                        "--set device=cpu")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU model from ``/proc/cpuinfo``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated, or the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Trainable parameters, and all of them with the buffers (e.g. the fixed GloVe rows)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    return {"trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "total": sum(t.numel() for t in tensors)}
+
+
+@dataclass
+class Process:
+    """This process's place in a (possibly single-process) distributed run."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> Process:
+        """Read the variables ``torchrun`` sets."""
+        env = os.environ
+        return cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)),
+                   int(env.get("LOCAL_RANK", 0)))
+
+
+# --- training ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Progress:
+    """Where a run stands; saved in every checkpoint."""
+
+    epoch: int = 0  # the current epoch, from 0
+    step_in_epoch: int = 0  # optimizer steps done in it
+    global_step: int = 0
+    train_seconds: float = 0.0  # training time spent in the current epoch so far
+    loss_sum: float = 0.0  # sum of the current epoch's losses so far
+    seconds_per_epoch: list[float] = field(default_factory=list)
+    history: list[dict] = field(default_factory=list)  # one record per evaluation
+    best: dict | None = None  # the best evaluation: {"epoch", "f1", "dev"}
+    log_bytes: int = 0  # size of log.jsonl when the checkpoint was written
+
+
+class Trainer:
+    """Trains ``cfg.model`` on ``data.splits["train"]``, evaluating on ``data.splits["dev"]``."""
+
+    def __init__(self, cfg: TrainConfig, out: Path, data, process: Process,
+                 device: torch.device):
+        self.cfg, self.out, self.data = cfg, out, data
+        self.process, self.device = process, device
+        self.model = build_model(cfg.model, data.vocab, **cfg.hparams).to(device)
+        self.ema = EMA(self.model, cfg.ema_decay) if cfg.ema_decay is not None else None
+        self.optimizer = build_optimizer(cfg, self.model, device)
+        self.schedule = LRSchedule(self.optimizer, cfg)
+        self.net = self.model
+        if process.world_size > 1:
+            self.net = DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        if cfg.compile:
+            self.net = torch.compile(self.net)
+        # Each process draws its own dropout masks.
+        torch.manual_seed(cfg.seed + process.rank)
+        self.progress = Progress()
+        self.pending: list[Tensor] = []  # losses since the last check, still on the device
+        self.summary: dict | None = None  # the metrics of the latest epoch
+        self.commit = git_commit()
+        self.clock = time.perf_counter()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+    def state_dict(self) -> dict:
+        return {"config": self.cfg.to_dict(), "model": self.model.state_dict(),
+                "ema": self.ema.state_dict() if self.ema is not None else None,
+                "optimizer": self.optimizer.state_dict(),
+                "schedule": self.schedule.state_dict(), "rng": rng_state(),
+                "progress": dataclasses.asdict(self.progress)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        set_rng_state(state["rng"])
+        self.progress = Progress(**state["progress"])
+
+    def start(self, resume: bool) -> None:
+        """Load the checkpoint (``resume``) or check that ``out`` holds no run yet; write the
+        configuration and the vocabulary."""
+        if resume:
+            state = load_checkpoint(self.checkpoint_path)
+            self._check_resumable(state["config"])
+            self.load_state_dict(state)
+        elif self.checkpoint_path.exists():
+            raise UserError(f"{self.out} already holds a run; pass --resume to continue it or "
+                            "choose another --out")
+        if self.process.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            with open(self.out / "log.jsonl", "a+b") as log:
+                log.truncate(self.progress.log_bytes)  # drop lines after the checkpoint
+            atomic_write_json(self.out / "config.json", self.cfg.to_dict())
+            self.data.vocab.save(self.out / "vocab")
+
+    def _check_resumable(self, saved: dict) -> None:
+        now = self.cfg.to_dict()
+        changed = sorted(k for k in now if saved.get(k) != now[k] and k not in RESUMABLE_CHANGES)
+        if changed:
+            details = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+            raise UserError(f"cannot resume {self.out}: the config differs from the "
+                            f"checkpoint's ({details}); only {', '.join(sorted(RESUMABLE_CHANGES))}"
+                            " may change")
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def fit(self) -> dict:
+        """Train until ``cfg.epochs`` epochs or ``cfg.max_steps`` steps; return the metrics."""
+        cfg, progress = self.cfg, self.progress
+        while progress.epoch < cfg.epochs and not self._out_of_steps():
+            finished = self._train_epoch()
+            self._end_epoch(finished)
+            if not finished:
+                break
+        return self.summary or self.metrics()
+
+    def _out_of_steps(self) -> bool:
+        return self.cfg.max_steps is not None and self.progress.global_step >= self.cfg.max_steps
+
+    def _my_batches(self) -> tuple[Iterator[dict], int]:
+        """This process's remaining batches of the current epoch, and the epoch's length in
+        steps. All processes draw the same order; process ``r`` takes batches ``r, r + w, ...``,
+        and the last incomplete round is dropped so that every process takes as many steps."""
+        cfg, progress, world = self.cfg, self.progress, self.process.world_size
+        split = self.data.splits["train"]
+        steps = split.num_batches(cfg.batch_size) // world
+        if steps == 0:
+            raise UserError(f"the training split ({len(split)} examples) gives fewer batches "
+                            f"of {cfg.batch_size} than there are processes ({world})")
+        batches = split.batches(cfg.batch_size, shuffle=True, seed=cfg.seed,
+                                epoch=progress.epoch, skip=progress.step_in_epoch * world)
+        stop = (steps - progress.step_in_epoch) * world
+        return itertools.islice(batches, self.process.rank, stop, world), steps
+
+    def _train_epoch(self) -> bool:
+        """Train to the end of the current epoch; ``False`` if ``max_steps`` stopped it first."""
+        cfg, progress = self.cfg, self.progress
+        batches, steps = self._my_batches()
+        self.net.train()
+        self.clock = time.perf_counter()
+        with tqdm(batches, total=steps, initial=progress.step_in_epoch,
+                  desc=f"epoch {progress.epoch + 1}/{cfg.epochs}",
+                  disable=not (self.process.is_main and sys.stderr.isatty())) as bar:
+            for batch in bar:
+                self.pending.append(self._step(batch))
+                progress.step_in_epoch += 1
+                progress.global_step += 1
+                if progress.global_step % cfg.log_every == 0:
+                    self._flush()
+                if cfg.checkpoint_every and progress.global_step % cfg.checkpoint_every == 0:
+                    self._tick()
+                    self._checkpoint()
+                if self._out_of_steps():
+                    return progress.step_in_epoch == steps
+        return True
+
+    def _step(self, batch: dict[str, Tensor]) -> Tensor:
+        """One optimizer step, then the schedule and the average; returns the loss, left on
+        the device."""
+        loss = train_step(self.net, to_device(batch, self.device), self.optimizer, self.cfg,
+                          self.device)
+        self.schedule.step()
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return loss
+
+    def _flush(self) -> None:
+        """Check the losses since the last flush and log their mean. A non-finite loss stops the
+        run before anything else is written, so the last checkpoint stays the last good one."""
+        if not self.pending:
+            return
+        losses = torch.stack(self.pending).float().cpu()
+        self.pending.clear()
+        bad = (~torch.isfinite(losses)).nonzero()
+        if len(bad):
+            step = self.progress.global_step - len(losses) + 1 + int(bad[0])
+            saved = (f"the last good checkpoint, {self.checkpoint_path}, is unchanged"
+                     if self.checkpoint_path.exists() else "no checkpoint was written")
+            raise UserError(f"training loss is {losses[bad[0]].item()} at step {step} "
+                            f"(epoch {self.progress.epoch + 1}); stopped: {saved}. Lower the "
+                            "learning rate or set grad_clip")
+        self.progress.loss_sum += losses.sum().item()
+        self._log({"event": "step", "epoch": self.progress.epoch + 1,
+                   "step": self.progress.global_step, "loss": losses.mean().item(),
+                   "lr": self.schedule.lr})
+
+    def _tick(self) -> None:
+        """Add the time since the last tick to the epoch's training time."""
+        now = time.perf_counter()
+        self.progress.train_seconds += now - self.clock
+        self.clock = now
+
+    def _checkpoint(self) -> None:
+        self._flush()
+        if self.process.is_main:
+            self.progress.log_bytes = (self.out / "log.jsonl").stat().st_size
+            save_checkpoint(self.checkpoint_path, self.state_dict())
+
+    def _end_epoch(self, finished: bool) -> None:
+        """Evaluate the averaged weights on dev, update the schedule and the history, write
+        the checkpoint and the run's outputs."""
+        self._flush()
+        self._tick()
+        progress = self.progress
+        record = {"epoch": progress.epoch + 1, "step": progress.global_step,
+                  "train_loss": progress.loss_sum / max(progress.step_in_epoch, 1),
+                  "lr": self.schedule.lr, "seconds": progress.train_seconds}
+        if self.process.is_main:
+            tic = time.perf_counter()
+            with averaged(self.model, self.ema):
+                dev, predictions, na_probs = evaluate_split(self.model, self.data.splits["dev"],
+                                                            self.cfg, self.device)
+                self._write_outputs(predictions, na_probs)
+            record.update(eval_seconds=time.perf_counter() - tic, dev=dev)
+        dev_f1 = self._broadcast(record["dev"]["f1"] if "dev" in record else None)
+        self.schedule.epoch_end(dev_f1)
+        progress.history.append(record)
+        if progress.best is None or dev_f1 > progress.best["f1"]:
+            progress.best = {"epoch": record["epoch"], "f1": dev_f1, "dev": record.get("dev")}
+        progress.seconds_per_epoch.append(progress.train_seconds)
+        progress.train_seconds = progress.loss_sum = 0.0
+        if finished:
+            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+        self._log({"event": "epoch", **record})
+        self._checkpoint()
+        self.summary = self.metrics()
+        if self.process.is_main:
+            atomic_write_json(self.out / "metrics.json", self.summary)
+
+    def _broadcast(self, value):
+        """Rank 0's ``value`` on every process."""
+        if self.process.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # -- outputs --------------------------------------------------------------------------------
+
+    def _log(self, record: dict) -> None:
+        if self.process.is_main:
+            with open(self.out / "log.jsonl", "a", encoding="utf-8") as log:
+                log.write(json.dumps(record) + "\n")
+
+    def _write_outputs(self, predictions: dict, na_probs: dict | None) -> None:
+        """The evaluated predictions and (averaged) weights."""
+        atomic_write_json(self.out / "predictions.json", predictions)
+        if na_probs is not None:
+            atomic_write_json(self.out / "na_prob.json", na_probs)
+        with atomic_path(self.out / "model.pt") as tmp:
+            torch.save(self.model.state_dict(), tmp)
+
+    def metrics(self) -> dict:
+        """The run's summary (``metrics.json``)."""
+        progress, cfg = self.progress, self.cfg
+        last = progress.history[-1] if progress.history else {}
+        best = progress.best or {}
+        return {
+            "model": cfg.model, "dataset": cfg.dataset, "version": self.data.version,
+            "profile": cfg.profile,
+            "dev": last.get("dev"), "best_epoch": best.get("epoch"), "best_dev": best.get("dev"),
+            "epochs_run": len(progress.seconds_per_epoch), "steps": progress.global_step,
+            "seconds_per_epoch": progress.seconds_per_epoch,
+            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "params": count_parameters(self.model),
+            "device": device_name(self.device), "world_size": self.process.world_size,
+            "torch": torch.__version__, "git_commit": self.commit,
+            "data_digests": self.data.digests, "config": cfg.to_dict(),
+            "history": progress.history,
+        }
+
+
+def load_data(cfg: TrainConfig):
+    """The prepared train and dev splits that ``cfg`` names."""
+    from mrc_lib.data import load_prepared  # the data pipeline imports spaCy: only when needed
+
+    return load_prepared(cfg.dataset, splits=("train", "dev"), glove=cfg.glove,
+                         limits=cfg.limits, context_limit=cfg.context_limit,
+                         question_limit=cfg.question_limit)
+
+
+def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None) -> dict:
+    """Train per ``cfg`` into directory ``out`` (continuing its checkpoint if ``resume``) and
+    return the metrics. ``data`` defaults to :func:`load_data`; under ``torchrun`` this joins
+    the process group (NCCL on CUDA, Gloo on CPU)."""
+    process = Process.from_env()
+    device = resolve_device(cfg.device, process.local_rank)
+    joined = process.world_size > 1 and not dist.is_initialized()
+    if joined:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        seed_everything(cfg.seed)
+        if device.type == "cpu":
+            torch.use_deterministic_algorithms(True)
+        data = data if data is not None else load_data(cfg)
+        trainer = Trainer(cfg, Path(out), data, process, device)
+        trainer.start(resume)
+        return trainer.fit()
+    finally:
+        if joined:
+            dist.destroy_process_group()
+
+
+def train_cli(args) -> dict:
+    """``python -m mrc_lib train``: a new run from a profile, or ``--resume`` of the run in
+    ``--out`` (its ``config.json``, with ``--config``/``--set`` applied on top)."""
+    out = Path(args.out)
+    if not args.resume:
+        cfg = resolve_config(args.model, args.dataset, args.profile, args.config,
+                             args.overrides)
+        return train(cfg, out)
+    saved = _read_json(out / "config.json", "run configuration")
+    if saved.get("model") != args.model:
+        raise UserError(f"{out} is a run of model {saved.get('model')!r}, not {args.model!r}")
+    return train(apply_overrides(saved, args.config, args.overrides), out, resume=True)
+
+
+# --- prediction --------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no {what} found (is this a training run's directory?)") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON: {e}") from None
+
+
+def load_run(run: str | Path, device: torch.device) -> tuple[TrainConfig, object, nn.Module]:
+    """The configuration, vocabulary and averaged-weight reader (eval mode) of a trained run."""
+    from mrc_lib.data import Vocab
+
+    run = Path(run)
+    cfg = TrainConfig.from_dict(_read_json(run / "config.json", "run configuration"))
+    vocab = Vocab.load(run / "vocab")
+    model = build_model(cfg.model, vocab, **cfg.hparams)
+    if not (run / "model.pt").is_file():
+        raise UserError(f"{run / 'model.pt'}: no trained weights (has an epoch finished?)")
+    model.load_state_dict(torch.load(run / "model.pt", map_location="cpu", weights_only=True))
+    return cfg, vocab, model.to(device).eval()
+
+
+def _questions(args) -> tuple[list[str], list[tuple[str, str]]]:
+    """Ids and ``(context, question)`` pairs from ``--file`` or ``--context``/``--question``."""
+    if args.file:
+        from mrc_lib.data.squad import read_squad
+
+        squad = read_squad(args.file, require_answers=False)
+        return ([ex.qid for ex in squad.examples],
+                [(squad.contexts[ex.context_id], ex.question) for ex in squad.examples])
+    if not (args.context and args.question):
+        raise UserError("predict needs --file, or both --context and --question")
+    return ["0"], [(args.context, args.question)]
+
+
+def predict_cli(args) -> list[dict]:
+    """``python -m mrc_lib predict``: the answer of a trained run to every question, with its
+    character offsets in the context and its probability ``p_start · p_end``."""
+    from mrc_lib.data import encode_texts
+
+    device = resolve_device("auto")
+    cfg, vocab, model = load_run(args.run, device)
+    ids, pairs = _questions(args)
+    split = encode_texts(vocab, pairs, qids=ids)
+    answers: list[dict] = [{} for _ in ids]
+    for i, start, end, score, na in predict_spans(model, split, cfg, device):
+        char_start, char_end = split.char_span(i, start, end)
+        answers[i] = {"id": ids[i], "answer": split.answer_text(i, start, end),
+                      "char_start": char_start, "char_end": char_end, "probability": score}
+        if na is not None:
+            answers[i]["no_answer_probability"] = na
+    return answers

@@ -1,0 +1,195 @@
+"""Tests for the model registry and the BiDAF and QANet readers, on a tiny random vocabulary."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mrc_lib.errors import UserError
+from mrc_lib.models import MODELS, build_model, hparam_defaults
+from mrc_lib.nn import span_loss
+
+V, D_WORD, N_TRAINABLE, N_CHARS, N_FEATS = 50, 8, 10, 20, 4
+WORD_LEN = 6
+
+TINY = {
+    "bidaf": dict(hidden=8, char_dim=4, char_channels=6, char_kernel=3),
+    "qanet": dict(d_model=16, heads=2, emb_convs=2, emb_kernel=3, model_blocks=2,
+                  model_convs=1, model_kernel=3, char_dim=4, char_channels=6, char_kernel=3),
+}
+NO_DROPOUT = {
+    "bidaf": dict(dropout=0.0),
+    "qanet": dict(dropout=0.0, char_dropout=0.0, layer_dropout=0.0),
+}
+
+
+def tiny_vocab() -> SimpleNamespace:
+    vectors = np.random.default_rng(0).normal(size=(V, D_WORD)).astype(np.float32)
+    return SimpleNamespace(word_vectors=vectors, n_trainable=N_TRAINABLE, n_chars=N_CHARS,
+                           n_feats=N_FEATS)
+
+
+def tiny_model(name: str, dropout: bool = False, **hparams) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(name, tiny_vocab(), **TINY[name],
+                       **({} if dropout else NO_DROPOUT[name]), **hparams)
+
+
+def pad_stack(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    """Right-pad each ``[l, ...]`` tensor with zeros to ``[length, ...]`` and stack them."""
+    out = rows[0].new_zeros(len(rows), length, *rows[0].shape[1:])
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
+def make_batch(c_lens: list[int], q_lens: list[int], seed: int = 0, pad_to: tuple = (),
+               key: int = 7) -> dict[str, torch.Tensor]:
+    """Random examples whose answer is the two tokens after the question's ``key`` word in the
+    context (a lookup that needs the attention); ``pad_to`` = (Lc, Lq) adds extra padding.
+    Word ids cover both the trainable and the fixed rows of the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    Lc, Lq = pad_to or (max(c_lens), max(q_lens))
+
+    def words(n):  # random ids in [1, V) other than the key
+        w = torch.randint(1, V - 1, (n,), generator=g)
+        return w + (w >= key).long()
+
+    def chars(w):  # a deterministic spelling of each word id, 1-6 characters
+        n = 1 + w % WORD_LEN
+        spelled = 1 + (w.unsqueeze(1) * (torch.arange(WORD_LEN) + 3)) % (N_CHARS - 1)
+        return spelled * (torch.arange(WORD_LEN) < n.unsqueeze(1))
+
+    c_words, q_words, y1 = [], [], []
+    for lc, lq in zip(c_lens, q_lens):
+        c, q = words(lc), words(lq)
+        p = int(torch.randint(0, lc - 2, (1,), generator=g))
+        c[p] = q[int(torch.randint(0, lq, (1,), generator=g))] = key
+        c_words.append(c)
+        q_words.append(q)
+        y1.append(p + 1)
+    c_words, q_words = pad_stack(c_words, Lc), pad_stack(q_words, Lq)
+    y1 = torch.tensor(y1)
+    return {
+        "c_words": c_words, "c_chars": chars(c_words.flatten()).view(*c_words.shape, WORD_LEN),
+        "c_mask": c_words != 0,
+        "q_words": q_words, "q_chars": chars(q_words.flatten()).view(*q_words.shape, WORD_LEN),
+        "q_mask": q_words != 0,
+        "c_feats": torch.rand(len(c_lens), Lc, N_FEATS, generator=g) * (c_words != 0)[..., None],
+        "q_type": torch.zeros(len(c_lens), dtype=torch.long),
+        "y1": y1, "y2": y1 + 1, "has_answer": torch.ones(len(c_lens), dtype=torch.bool),
+        "idx": torch.arange(len(c_lens)),
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These tensors are tiny: a second intra-op thread only adds contention."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def batch():
+    return make_batch(c_lens=[12, 7, 9], q_lens=[5, 3, 4])
+
+
+@pytest.mark.parametrize("name", ["bidaf", "qanet"])
+@pytest.mark.parametrize("use_features", [False, True])
+def test_output_shapes_and_masking(name, use_features, batch):
+    model = tiny_model(name, dropout=True, use_features=use_features)
+    out = model(batch)
+    B, Lc = batch["c_words"].shape
+    Lq = batch["q_words"].shape[1]
+    assert out["start_logits"].shape == out["end_logits"].shape == (B, Lc)
+    assert out["start_logits"].dtype == out["end_logits"].dtype == torch.float32
+    assert out["attention"].shape == (B, Lc, Lq)
+    for key in ("start_logits", "end_logits"):
+        p = torch.softmax(out[key], dim=-1)
+        assert torch.all(p[~batch["c_mask"]] == 0)
+        torch.testing.assert_close(p.sum(-1), torch.ones(B))
+    # Attention: a distribution over the real query words at each real context word.
+    attn = out["attention"]
+    assert torch.all(attn.masked_select(~batch["q_mask"][:, None, :]) == 0)
+    torch.testing.assert_close(attn.sum(-1), batch["c_mask"].float())
+
+
+def test_features_change_only_the_flagged_model(batch):
+    """``c_feats`` are read only when ``use_features`` is set."""
+    for use_features in (False, True):
+        model = tiny_model("bidaf", use_features=use_features).eval()
+        other = dict(batch, c_feats=batch["c_feats"] + 1.0)
+        same = torch.equal(model(batch)["start_logits"], model(other)["start_logits"])
+        assert same != use_features
+
+
+@pytest.mark.parametrize("name", ["bidaf", "qanet"])
+def test_gradients_reach_every_trainable_parameter(name, batch):
+    model = tiny_model(name, use_features=True)
+    out = model(batch)
+    span_loss(out["start_logits"], out["end_logits"], batch["y1"], batch["y2"]).backward()
+    # The trilinear similarity's scalar bias shifts every score of a softmax row alike, so it
+    # cancels in every attention and gets no gradient by construction.
+    for pname, param in model.named_parameters():
+        if pname.endswith("similarity.bias"):
+            continue
+        assert param.grad is not None and param.grad.abs().sum() > 0, pname
+    # The GloVe rows are a buffer, never a parameter; the PAD row gets no gradient.
+    word = model.embed.word
+    assert word.trainable.shape == (N_TRAINABLE, D_WORD)
+    assert not any(t is word.fixed for t in model.parameters())
+    torch.testing.assert_close(word.fixed, torch.as_tensor(tiny_vocab().word_vectors[N_TRAINABLE:]))
+    assert torch.all(word.trainable.grad[0] == 0)
+
+
+@pytest.mark.parametrize("name", ["bidaf", "qanet"])
+def test_padding_does_not_change_the_output(name):
+    """An eval-mode reader on an example padded with extra context and query positions gives
+    the same logits and attention at the real positions as on the unpadded example."""
+    model = tiny_model(name, use_features=True).eval()
+    short = make_batch([9], [4], seed=3)
+    padded = make_batch([9], [4], seed=3, pad_to=(15, 7))
+    with torch.no_grad():
+        a, b = model(short), model(padded)
+    for key in ("start_logits", "end_logits"):
+        torch.testing.assert_close(b[key][:, :9], a[key], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b["attention"][:, :9, :4], a["attention"], rtol=1e-5, atol=1e-6)
+    assert torch.all(b["attention"][:, 9:] == 0) and torch.all(b["attention"][:, :, 4:] == 0)
+
+
+def test_registry():
+    assert {"bidaf", "qanet"} <= set(MODELS)
+    assert hparam_defaults("bidaf") == dict(hidden=100, char_dim=8, char_channels=100,
+                                            char_kernel=5, dropout=0.2, use_features=False)
+    assert hparam_defaults("qanet")["d_model"] == 128
+    with pytest.raises(UserError, match="unknown model 'nope'.*bidaf.*qanet"):
+        build_model("nope", tiny_vocab())
+    with pytest.raises(UserError, match="unknown hyperparameter.*hiden.*known: .*hidden"):
+        build_model("bidaf", tiny_vocab(), hiden=4)
+
+
+@pytest.mark.parametrize("name, steps", [("bidaf", 25), ("qanet", 15)])
+def test_overfits_a_tiny_batch(name, steps):
+    """Adam drives the span loss on 8 examples down by a large factor, and only the trainable
+    embedding rows move."""
+    model = tiny_model(name)
+    batch = make_batch(c_lens=[16, 12, 14, 10, 16, 9, 13, 15], q_lens=[5, 4, 5, 3, 4, 5, 2, 4])
+    fixed = model.embed.word.fixed.clone()
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
+    losses = []
+    for _ in range(steps):
+        out = model(batch)
+        loss = span_loss(out["start_logits"], out["end_logits"], batch["y1"], batch["y2"])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] / 20, losses
+    assert torch.equal(model.embed.word.fixed, fixed)
+    model.eval()
+    out = model(batch)
+    assert torch.equal(out["start_logits"].argmax(-1), batch["y1"])
+    assert torch.equal(out["end_logits"].argmax(-1), batch["y2"])

@@ -1,0 +1,438 @@
+"""Tests of the training engine: schedule, EMA, configs, checkpoints, exact resume, NaN guard.
+
+Most tests train a tiny reader (``toy``, registered here) on a synthetic task encoded by the
+real data pipeline: the context is a row of distinct words, the question ``what follows X`` and
+the answer the word after ``X``. The ``real_data`` tests overfit BiDAF and QANet on 32 real
+SQuAD training questions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from argparse import Namespace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mrc_lib import train as engine
+from mrc_lib.checkpoint import load_checkpoint, save_checkpoint
+from mrc_lib.config import TrainConfig, parse_override, resolve_config
+from mrc_lib.data.cache import PreparedData
+from mrc_lib.data.dataset import Split, encode, index_forms
+from mrc_lib.data.squad import Answer, Example, SquadFile
+from mrc_lib.data.text import Tokens
+from mrc_lib.data.vocab import Vocab
+from mrc_lib.errors import UserError
+from mrc_lib.models import register
+from mrc_lib.nn import mask_logits
+
+WORDS = [f"w{k}" for k in range(40)]
+
+
+# --- a toy task and a toy reader ---------------------------------------------------------------
+
+
+def _tokens(text: str) -> Tokens:
+    """Whitespace tokenization with character offsets."""
+    words, starts, pos = text.split(), [], 0
+    for w in words:
+        pos = text.index(w, pos)
+        starts.append(pos)
+        pos += len(w)
+    starts = np.array(starts, np.int32)
+    return Tokens(words, starts, starts + np.array([len(w) for w in words], np.int32))
+
+
+def toy_vocab(dim: int = 16) -> Vocab:
+    words = ["<pad>", "<unk>", "what", "follows", *WORDS]
+    chars = ["<pad>", "<unk>", *sorted(set("".join(words[2:])))]
+    vectors = np.random.default_rng(0).normal(size=(len(words), dim)).astype(np.float32)
+    return Vocab(words, chars, vectors, len(words), False, ["<pad>"], ["<pad>"])
+
+
+def toy_split(name: str, n: int, vocab: Vocab, seed: int) -> Split:
+    """``n`` questions "what follows X" over contexts of 12 distinct words."""
+    rng = np.random.default_rng(seed)
+    contexts, examples = [], []
+    for i in range(n):
+        row = list(rng.choice(WORDS, 12, replace=False))
+        p = int(rng.integers(0, 11))
+        context = " ".join(row)
+        start = len(" ".join(row[:p + 1])) + 1
+        contexts.append(context)
+        examples.append(Example(f"{name}-{i}", f"what follows {row[p]}", i,
+                                (Answer(row[p + 1], start),)))
+    sq = SquadFile(name, "1.1", ["toy"] * n, contexts, examples)
+    ctx, qs = [_tokens(c) for c in contexts], [_tokens(e.question) for e in examples]
+    forms = index_forms(ctx + qs)
+    arrays, text = encode(sq, ctx, qs, forms, vocab)
+    return Split(name, arrays, text, vocab.forms(list(forms)))
+
+
+def toy_data(n_train: int = 64, n_dev: int = 32) -> PreparedData:
+    vocab = toy_vocab()
+    splits = {"train": toy_split("train", n_train, vocab, 1),
+              "dev": toy_split("dev", n_dev, vocab, 2)}
+    return PreparedData("toy", "1.1", vocab, splits, {"toy.json": "0" * 64}, Path("."), {})
+
+
+@register("toy")
+class ToyReader(nn.Module):
+    """Scores token ``i`` as a start by ``(W_s e_{i-1}) · q̄`` and as an end by
+    ``(W_e e_{i-1}) · q̄``, ``q̄`` the mean question embedding."""
+
+    def __init__(self, vocab, *, dropout: float = 0.1):
+        super().__init__()
+        dim = vocab.word_vectors.shape[1]
+        self.embed = nn.Embedding.from_pretrained(torch.tensor(vocab.word_vectors),
+                                                  freeze=False)
+        self.w_start = nn.Linear(dim, dim)
+        self.w_end = nn.Linear(dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, batch):
+        c = self.dropout(self.embed(batch["c_words"]))
+        prev = nn.functional.pad(c, (0, 0, 1, 0))[:, :-1]  # e_{i-1}
+        q_mask = batch["q_mask"].unsqueeze(-1).float()
+        q = (self.embed(batch["q_words"]) * q_mask).sum(1) / q_mask.sum(1)
+        start = (self.w_start(prev) * q.unsqueeze(1)).sum(-1)
+        end = (self.w_end(prev) * q.unsqueeze(1)).sum(-1)
+        return {"start_logits": mask_logits(start, batch["c_mask"]),
+                "end_logits": mask_logits(end, batch["c_mask"])}
+
+
+def toy_config(**changes) -> TrainConfig:
+    values = dict(model="toy", dataset="toy", optimizer="adam", lr=0.05, epochs=2,
+                  batch_size=16, eval_batch_size=32, ema_decay=0.9, warmup_steps=2,
+                  device="cpu", log_every=2, checkpoint_every=3, max_answer_len=3)
+    return TrainConfig(**{**values, **changes})
+
+
+@pytest.fixture(scope="module")
+def data() -> PreparedData:
+    return toy_data()
+
+
+class Killed(Exception):
+    """Stands for the process being killed."""
+
+
+class DiesAfter:
+    """A training split whose batch stream dies at batch ``n`` of epoch ``epoch``."""
+
+    def __init__(self, split: Split, epoch: int, n: int):
+        self.split, self.epoch, self.n = split, epoch, n
+
+    def __getattr__(self, name):
+        return getattr(self.split, name)
+
+    def __len__(self):
+        return len(self.split)
+
+    def batches(self, batch_size, *, shuffle, seed=0, epoch=0, skip=0):
+        stream = self.split.batches(batch_size, shuffle=shuffle, seed=seed, epoch=epoch,
+                                    skip=skip)
+        for k, batch in enumerate(stream, start=skip):
+            if epoch == self.epoch and k == self.n:
+                raise Killed
+            yield batch
+
+
+def state_of(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+# --- learning-rate schedule and EMA ------------------------------------------------------------
+
+
+def test_warmup_factor_values():
+    W = 4
+    assert [engine.warmup_factor(k, W, "linear") for k in range(1, 7)] == \
+        [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    log = [engine.warmup_factor(k, W, "log") for k in range(1, 7)]
+    assert log == pytest.approx([math.log(2) / math.log(5), math.log(3) / math.log(5),
+                                 math.log(4) / math.log(5), 1.0, 1.0, 1.0])
+    assert all(a < b for a, b in zip(log[:3], log[1:4]))
+    assert engine.warmup_factor(1, 0, "log") == 1.0  # no warm-up
+
+
+def test_schedule_sets_optimizer_lr_with_warmup_and_plateau_decay():
+    cfg = toy_config(lr=1.0, warmup_steps=3, plateau_factor=0.5, plateau_patience=2)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=123.0)
+    schedule = engine.LRSchedule(optimizer, cfg)
+    seen = [optimizer.param_groups[0]["lr"]]
+    for _ in range(4):
+        schedule.step()
+        seen.append(optimizer.param_groups[0]["lr"])
+    assert seen == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0, 1.0])
+    for f1 in (50.0, 40.0, 50.0):  # best 50, then two epochs without improvement
+        schedule.epoch_end(f1)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    schedule.epoch_end(60.0)
+    schedule.epoch_end(59.0)
+    assert optimizer.param_groups[0]["lr"] == 0.5
+    restored = engine.LRSchedule(optimizer, cfg)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.lr == schedule.lr == 0.5
+
+
+def test_ema_matches_direct_computation():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    model[1].bias.requires_grad_(False)  # frozen weights are not averaged
+    ema = engine.EMA(model, decay=0.9)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    for n_update in range(1, 31):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        ema.update(model)
+        d = min(0.9, (1 + n_update) / (10 + n_update))
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                expected[name] = d * expected[name] + (1 - d) * p.detach()
+    assert set(ema.shadow) == set(expected) == {"0.weight", "0.bias", "1.weight"}
+    for name, value in expected.items():
+        torch.testing.assert_close(ema.shadow[name], value)
+    live = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with engine.averaged(model, ema):
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p, expected.get(name, live[name]))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, live[name])
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+def test_profiles_resolve_for_both_models():
+    for model in ("bidaf", "qanet"):
+        for profile in ("smoke", "full"):
+            cfg = resolve_config(model, profile=profile)
+            assert cfg.model == model and cfg.profile == profile
+    full = resolve_config("qanet", profile="full")
+    assert (full.optimizer, full.lr, full.betas, full.eps) == ("adam", 1e-3, (0.8, 0.999), 1e-7)
+    assert (full.warmup_steps, full.ema_decay, full.grad_clip) == (1000, 0.9999, 5.0)
+    bidaf = resolve_config("bidaf", profile="full")
+    assert (bidaf.optimizer, bidaf.lr, bidaf.batch_size, bidaf.ema_decay) == \
+        ("adadelta", 0.5, 60, 0.999)
+    assert bidaf.hparams["hidden"] == 100 and bidaf.hparams["dropout"] == 0.2
+
+
+def test_overrides_file_then_set(tmp_path):
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text("lr: 0.01\nhparams: {dropout: 0.3}\nepochs: 7\n")
+    cfg = resolve_config("bidaf", profile="smoke", config_file=config_file,
+                         overrides=["lr=2e-3", "hparams.hidden=7", "limits.train=10",
+                                    "betas=[0.8, 0.9]", "max_steps=null", "bf16=true"])
+    smoke = resolve_config("bidaf", profile="smoke")
+    assert cfg.lr == 2e-3 and cfg.epochs == 7 and cfg.betas == (0.8, 0.9) and cfg.bf16
+    assert cfg.hparams == {**smoke.hparams, "dropout": 0.3, "hidden": 7}
+    assert cfg.limits == {**smoke.limits, "train": 10} and cfg.max_steps is None
+    as_json = tmp_path / "c.json"
+    as_json.write_text(json.dumps({"seed": 3}))
+    assert resolve_config("bidaf", config_file=as_json).seed == 3
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learning_rate=1"], "unknown config key"),
+    (["lr=fast"], "lr='fast'"),
+    (["epochs=2.5"], "epochs=2.5"),
+    (["optimizer=sgd"], "expected one of adam, adamw, adadelta"),
+    (["lr"], "expected KEY=VALUE"),
+    (["betas=[0.9]"], "betas"),
+    (["bf16=maybe"], "bf16"),
+])
+def test_bad_overrides_are_user_errors(overrides, message):
+    with pytest.raises(UserError, match=message):
+        resolve_config("bidaf", overrides=overrides)
+
+
+def test_bad_profiles_and_files_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="unknown profile 'nope'; known: full, smoke"):
+        resolve_config("bidaf", profile="nope")
+    with pytest.raises(UserError, match="no section for model 'toy'"):
+        resolve_config("toy", profile="smoke")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(UserError, match="mapping"):
+        resolve_config("bidaf", config_file=bad)
+    bad.write_text("colour: blue\n")
+    with pytest.raises(UserError, match="unknown config key.*colour"):
+        resolve_config("bidaf", config_file=bad)
+    assert parse_override("hparams.a.b=[1, 2]") == {"hparams": {"a": {"b": [1, 2]}}}
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"step": torch.tensor(1)})
+    before = path.read_bytes()
+
+    def broken_save(obj, f):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(path, {"step": torch.tensor(2)})
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert load_checkpoint(path)["step"] == 1
+
+
+def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
+    import random
+
+    from mrc_lib.checkpoint import rng_state, set_rng_state
+
+    save_checkpoint(tmp_path / "c.pt", {"rng": rng_state()})
+    first = (random.random(), np.random.rand(), torch.rand(1).item())
+    set_rng_state(load_checkpoint(tmp_path / "c.pt")["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == first
+
+
+# --- training runs -----------------------------------------------------------------------------
+
+
+def test_run_writes_its_outputs(tmp_path, data):
+    metrics = engine.train(toy_config(), tmp_path, data=data)
+    files = {p.name for p in tmp_path.iterdir()}
+    assert {"config.json", "log.jsonl", "metrics.json", "predictions.json", "model.pt",
+            "vocab", "checkpoint.pt"} <= files
+    assert json.loads((tmp_path / "metrics.json").read_text()) == json.loads(json.dumps(metrics))
+    assert metrics["steps"] == 2 * 4 and len(metrics["seconds_per_epoch"]) == 2
+    assert set(metrics["dev"]) == {"exact_match", "f1"}
+    assert metrics["best_epoch"] in (1, 2)
+    assert metrics["params"]["trainable"] == sum(
+        p.numel() for p in ToyReader(data.vocab).parameters())
+    assert metrics["data_digests"] == data.digests and metrics["peak_memory_bytes"] > 0
+    predictions = json.loads((tmp_path / "predictions.json").read_text())
+    assert set(predictions) == set(data.splits["dev"].qids)
+    assert all(p.startswith("w") for p in predictions.values())
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "step"] == [2, 3, 4, 6, 8]
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [1, 2]
+    assert TrainConfig.from_dict(json.loads((tmp_path / "config.json").read_text())) == \
+        toy_config()
+    with pytest.raises(UserError, match="already holds a run"):
+        engine.train(toy_config(), tmp_path, data=data)
+
+
+def test_training_learns_the_toy_task(tmp_path, data):
+    metrics = engine.train(toy_config(epochs=12, checkpoint_every=None), tmp_path, data=data)
+    first, last = metrics["history"][0]["dev"]["f1"], metrics["dev"]["f1"]
+    assert last > max(first, 50.0)
+
+
+def test_resume_after_a_kill_is_exact(tmp_path, data):
+    cfg = toy_config(epochs=3)
+    whole = engine.train(cfg, tmp_path / "whole", data=data)
+    # Killed at batch 2 of epoch 2 (global step 7): the last checkpoint is step 6.
+    dying = PreparedData(**{**vars(data), "splits": {**data.splits,
+                            "train": DiesAfter(data.splits["train"], epoch=1, n=2)}})
+    with pytest.raises(Killed):
+        engine.train(cfg, tmp_path / "cut", data=dying)
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["progress"]["global_step"] == 6
+    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
+    for key in ("dev", "best_epoch", "best_dev", "steps"):
+        assert resumed[key] == whole[key]
+    for a, b in zip(resumed["history"], whole["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+    final, uncut = state_of(tmp_path / "cut" / "model.pt"), state_of(tmp_path / "whole/model.pt")
+    assert all(torch.equal(final[k], uncut[k]) for k in uncut)
+    logs = [[{k: v for k, v in json.loads(line).items() if "seconds" not in k}
+             for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+            for run in ("whole", "cut")]
+    assert logs[0] == logs[1]
+
+
+def test_resume_extends_a_finished_run_and_refuses_other_changes(tmp_path, data):
+    engine.train(toy_config(epochs=1), tmp_path, data=data)
+    with pytest.raises(UserError, match="lr: 0.05 -> 0.1"):
+        engine.train(toy_config(epochs=2, lr=0.1), tmp_path, resume=True, data=data)
+    longer = engine.train(toy_config(epochs=2), tmp_path, resume=True, data=data)
+    assert longer["steps"] == 8 and [h["epoch"] for h in longer["history"]] == [1, 2]
+    with pytest.raises(UserError, match="no checkpoint to resume"):
+        engine.train(toy_config(), tmp_path / "empty", resume=True, data=data)
+
+
+def test_max_steps_stops_mid_epoch(tmp_path, data):
+    metrics = engine.train(toy_config(max_steps=6), tmp_path, data=data)
+    assert metrics["steps"] == 6 and [h["step"] for h in metrics["history"]] == [4, 6]
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, data):
+    # Adam's first step moves every weight by about lr = 1e30: the next logits overflow.
+    cfg = toy_config(lr=1e30, warmup_steps=0, ema_decay=None, checkpoint_every=1, log_every=1)
+    with pytest.raises(UserError, match=r"training loss is (nan|inf) at step 2 \(epoch 1\).*"
+                                        r"last good checkpoint.*is unchanged"):
+        engine.train(cfg, tmp_path, data=data)
+    state = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert state["progress"]["global_step"] == 1
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_config_errors_surface_before_training(tmp_path, data):
+    with pytest.raises(UserError, match="unknown hyperparameter"):
+        engine.train(toy_config(hparams={"width": 3}), tmp_path, data=data)
+    with pytest.raises(UserError, match="unknown model 'tiny'"):
+        engine.train(toy_config(model="tiny"), tmp_path, data=data)
+
+
+# --- the command line, on the tiny mirror of conftest.py -----------------------------------------
+
+
+def test_cli_trains_resumes_and_predicts(mirror, tmp_path):
+    from mrc_lib.cli import main
+
+    out = tmp_path / "run"
+    args = Namespace(model="bidaf", dataset="squad-v1.1", profile="smoke", out=str(out),
+                     config=None, resume=False,
+                     overrides=["epochs=1", "batch_size=2", "limits=null", "hparams.hidden=8",
+                                "hparams.char_channels=8", "checkpoint_every=null"])
+    first = engine.train_cli(args)
+    assert first["steps"] == 4 and set(first["dev"]) == {"exact_match", "f1"}
+    longer = engine.train_cli(Namespace(**{**vars(args), "resume": True,
+                                           "overrides": ["epochs=2"]}))
+    assert longer["steps"] == 8 and longer["config"]["hparams"]["hidden"] == 8
+    context = "Warsaw is the capital and largest city of Poland."
+    [answer] = engine.predict_cli(Namespace(run=str(out), context=context,
+                                            question="What is Warsaw?", file=None))
+    assert answer["id"] == "0" and 0 < answer["probability"] <= 1
+    assert context[answer["char_start"]:answer["char_end"]] == answer["answer"] != ""
+    answers = engine.predict_cli(Namespace(run=str(out), context=None, question=None,
+                                           file=str(mirror / "squad" / "dev-v1.1.json")))
+    assert [a["id"] for a in answers] == ["d0", "d1"]
+    assert main(["train", "--model", "bidaf", "--out", str(tmp_path / "x"),
+                 "--set", "lr=fast"]) == 2
+    assert main(["predict", "--run", str(out), "--context", context]) == 2
+
+
+# --- real data ---------------------------------------------------------------------------------
+
+
+@pytest.mark.real_data
+@pytest.mark.slow
+@pytest.mark.parametrize("model, changes", [
+    ("bidaf", dict(hparams={"hidden": 32, "char_channels": 32, "dropout": 0.0},
+                   optimizer="adam", lr=5e-3)),
+    ("qanet", dict(hparams={"d_model": 32, "heads": 2, "model_blocks": 2, "char_channels": 32,
+                            "char_dim": 16, "dropout": 0.0, "char_dropout": 0.0,
+                            "layer_dropout": 0.0}, optimizer="adam", lr=3e-3)),
+])
+def test_overfits_32_real_questions(real_squad, tmp_path, model, changes):
+    first = real_squad.splits["train"].subset(np.arange(32))
+    data = PreparedData(**{**vars(real_squad), "splits": {"train": first, "dev": first}})
+    cfg = TrainConfig(model=model, dataset="squad-v1.1", epochs=60, batch_size=32,
+                      ema_decay=None, device="cpu", log_every=10, **changes)
+    metrics = engine.train(cfg, tmp_path, data=data)
+    assert metrics["dev"]["f1"] >= 90.0  # the official metric, on the training questions
