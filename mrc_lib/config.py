@@ -1,7 +1,8 @@
 """Training configuration: one dataclass, filled from a profile, a file and ``--set`` overrides.
 
-A *profile* (``mrc_lib/profiles/NAME.yaml``) is data: an optional ``defaults:`` section and one
-section per model (``bidaf:``, ``qanet:``) giving values for the fields of :class:`TrainConfig`.
+A *profile* (``mrc_lib/profiles/NAME.yaml``, plus ``profiles/<chapter>/NAME.yaml`` for each
+chapter's readers) is data: an optional ``defaults:`` section and one section per model
+(``bidaf:``, ``qanet:``) giving values for the fields of :class:`TrainConfig`.
 The resolved configuration is, from lowest to highest precedence::
 
     TrainConfig defaults < profile defaults < profile[model] < --config FILE < --set key=value
@@ -191,19 +192,26 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
 
+def profile_files(profile: str) -> list[Path]:
+    """``profiles/NAME.yaml`` and each chapter's ``profiles/<chapter>/NAME.yaml``."""
+    return [PROFILE_DIR / f"{profile}.yaml", *sorted(PROFILE_DIR.glob(f"*/{profile}.yaml"))]
+
+
 def profile_values(profile: str, model: str) -> dict:
-    """The values profile ``profile`` gives model ``model``: its defaults, then its section."""
-    path = PROFILE_DIR / f"{profile}.yaml"
-    if not path.is_file():
+    """The values profile ``profile`` gives model ``model``: the defaults of the file that has
+    the model's section, then that section."""
+    if not (PROFILE_DIR / f"{profile}.yaml").is_file():
         raise UserError(f"unknown profile {profile!r}; known: {', '.join(available_profiles())}")
-    sections = _read_mapping(path, "profile")
-    if model not in sections:
-        models = sorted(set(sections) - {"defaults"})
-        raise UserError(f"profile {profile!r} has no section for model {model!r}; it has: "
-                        f"{', '.join(models)}")
-    values = _merge(sections.get("defaults") or {}, sections[model] or {})
-    _check_keys(values, f"{path} [{model}]")
-    return values
+    models = set()
+    for path in profile_files(profile):
+        sections = _read_mapping(path, "profile")
+        if model in sections:
+            values = _merge(sections.get("defaults") or {}, sections[model] or {})
+            _check_keys(values, f"{path} [{model}]")
+            return values
+        models |= set(sections) - {"defaults"}
+    raise UserError(f"profile {profile!r} has no section for model {model!r}; it has: "
+                    f"{', '.join(sorted(models))}")
 
 
 def parse_override(item: str) -> dict:

@@ -29,6 +29,7 @@ The notebook writes ``{out_dir}/results.json``::
       "figures": {"figure5a": "figure5a.png"},   # png files
       "notes": ["Trained on 1% of SQuAD v1.1 train."],              # optional
       "data_files": ["/abs/path/squad/dev-v1.1.json"],                # optional: digested
+      "data_digests": {"dev-v1.1.json": "<sha256>"},                   # optional: as recorded
       "device": "NVIDIA A100-SXM4-40GB"          # optional: what the notebook ran on
     }
 
@@ -72,6 +73,7 @@ from mrc_lib.utils import atomic_write_bytes, atomic_write_json, file_digest, gi
 PROFILES = ("smoke", "full")
 NOTEBOOK_PATTERN = "[0-9][0-9]_*.ipynb"
 KERNEL = "python3"
+CHECK_OUTPUT = "# NBVAL_CHECK_OUTPUT"
 
 
 @dataclass(frozen=True)
@@ -218,6 +220,24 @@ def publish_notebook(executed: Path, dest: Path, root: Path) -> None:
     atomic_write_json(dest, notebook, indent=1)
 
 
+def sync_checked_outputs(executed: Path, source: Path) -> None:
+    """Give the source notebook the outputs nbval compares and nothing else: cells starting
+    with ``# NBVAL_CHECK_OUTPUT`` take the executed run's outputs (matched by cell id), every
+    other output and execution count is stripped."""
+    ran = {c.get("id"): c for c in json.loads(executed.read_text(encoding="utf-8"))["cells"]}
+    notebook = json.loads(source.read_text(encoding="utf-8"))
+    for cell in notebook["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        checked = "".join(cell["source"]).lstrip().startswith(CHECK_OUTPUT)
+        outputs = ran[cell["id"]]["outputs"] if checked and cell.get("id") in ran else []
+        cell["outputs"] = [{k: v for k, v in o.items() if k != "execution_count"}
+                           | ({"execution_count": None} if "execution_count" in o else {})
+                           for o in outputs]
+        cell["execution_count"] = None
+    atomic_write_json(source, notebook, indent=1)
+
+
 @contextlib.contextmanager
 def environment(**values: str):
     """Set environment variables (inherited by the kernel) for the duration of a block."""
@@ -283,6 +303,8 @@ def reproduce(name: str, profile: str, params: dict | None = None, force: bool =
         atomic_write_bytes(layout.book / figure, (out_dir / path).read_bytes())
         figures[key] = figure.as_posix()
     publish_notebook(executed, layout.book / f"{name}.ipynb", layout.root)
+    if profile == "smoke":  # what nbval checks in CI is what this CPU run printed
+        sync_checked_outputs(executed, layout.notebooks / f"{name}.ipynb")
     published = {
         "name": name,
         "title": notebook_title(executed, default=name),
@@ -293,8 +315,9 @@ def reproduce(name: str, profile: str, params: dict | None = None, force: bool =
             "profile": profile,
             "device": results.get("device") or describe_device(),
             "commit": git_commit(layout.root),
-            "data": {Path(p).name: file_digest(out_dir / p)
-                     for p in results.get("data_files", [])},
+            "data": {**results.get("data_digests", {}),
+                     **{Path(p).name: file_digest(out_dir / p)
+                        for p in results.get("data_files", [])}},
             "duration_s": round(duration, 1),
             "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
             "parameters": parameters,

@@ -1,9 +1,20 @@
-"""The data pipeline: sources and downloads, SQuAD reading, tokenization, cache, batching."""
+"""The data pipeline: sources and downloads, SQuAD reading, tokenization, cache, batching.
 
-from mrc_lib.data.cache import PreparedData, load_prepared, prepare
-from mrc_lib.data.dataset import Split, encode_squad, encode_texts
-from mrc_lib.data.squad import read_squad
-from mrc_lib.data.vocab import Vocab
+Names are imported lazily, so ``python -m mrc_lib download`` or ``validate`` do not pay for
+importing torch and spaCy.
+"""
 
-__all__ = ["PreparedData", "Split", "Vocab", "encode_squad", "encode_texts", "load_prepared",
-           "prepare", "read_squad"]
+import importlib
+
+_EXPORTS = {
+    "PreparedData": "cache", "load_prepared": "cache", "prepare": "cache",
+    "Split": "dataset", "encode_squad": "dataset", "encode_texts": "dataset",
+    "read_squad": "squad", "Vocab": "vocab",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"mrc_lib.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'mrc_lib.data' has no attribute {name!r}")

@@ -13,6 +13,8 @@ Loading needs neither spaCy nor the raw JSON: a GPU machine gets the folder and 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import hashlib
 import json
@@ -72,9 +74,10 @@ def prepare(dataset: str = "squad-v1.1", splits=("train", "dev"), glove: str = "
     digests = {p.name: file_digest(p) for p in [*paths.values(), glove_path]}
     config = _config(dataset, splits, glove, pipeline)
     folder = cache_root(cache_dir) / "prepared" / f"{dataset}-{_key(digests, config)}"
-    built = rebuild or not (folder / "meta.json").exists()
-    if built:
-        _build(folder, paths, glove, glove_path, pipeline, digests, config)
+    with _locked(folder):  # concurrent processes (test workers, notebooks) build it once
+        built = rebuild or not (folder / "meta.json").exists()
+        if built:
+            _build(folder, paths, glove, glove_path, pipeline, digests, config)
     meta = json.loads((folder / "meta.json").read_text())
     size = sum(f.stat().st_size for f in folder.iterdir())
     return {**meta, "cache": str(folder), "cache_bytes": size, "built": built,
@@ -128,6 +131,16 @@ def _build(folder: Path, paths: dict, glove: str, glove_path: Path, pipeline, di
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    with open(_mkdir(folder.parent) / f".{folder.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _mkdir(p: Path) -> Path:

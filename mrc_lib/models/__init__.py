@@ -10,7 +10,9 @@ defaults. ``forward(batch)`` maps the batch dict of :mod:`mrc_lib.data` to ``sta
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 
 from torch import nn
 
@@ -54,5 +56,10 @@ def _model_class(name: str) -> type[nn.Module]:
     return MODELS[name]
 
 
-# Importing the modules registers their readers.
-from mrc_lib.models import bidaf, qanet  # noqa: E402, F401
+def _import_readers() -> None:
+    """Import every module of this package: each registers its readers."""
+    for info in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{info.name}")
+
+
+_import_readers()
