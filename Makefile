@@ -7,6 +7,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PROFILE ?= auto
 export PYTHONUNBUFFERED := 1
+# Notebooks run in notebooks/: a relative data folder must be made absolute first.
+ifdef MRC_DATA_DIR
+export MRC_DATA_DIR := $(abspath $(MRC_DATA_DIR))
+endif
 
 .PHONY: all install data reproduce book chromium test lint clean
 

@@ -34,7 +34,8 @@ def main():
         load_s = time.perf_counter() - t
     out = {
         "benchmark": "prepare squad-v1.1 train+dev, glove.6B.50d, blank:en tokenizer",
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(),
+                    "python": platform.python_version()},
         "cold_seconds": cold["seconds"], "cold_build_seconds": cold["build_seconds"],
         "warm_prepare_seconds": round(warm_s, 2), "warm_load_prepared_seconds": round(load_s, 2),
         "built": [cold["built"], warm["built"]], "cache_bytes": cold["cache_bytes"],

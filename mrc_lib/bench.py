@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +47,9 @@ class SyntheticVocab:
     n_trainable: int = 476
     n_chars: int = 227
     n_feats: int = 4
+    # the tag sets of en_core_web_sm, for readers that embed POS/NER tags (sizes matter only)
+    pos_tags: list = field(default_factory=lambda: [f"pos{i}" for i in range(50)])
+    ner_tags: list = field(default_factory=lambda: [f"ner{i}" for i in range(19)])
 
     @classmethod
     def random(cls, size: int = 72_498, dim: int = 50, seed: int = 0) -> SyntheticVocab:
@@ -67,6 +70,9 @@ def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
 
     c_words, c_chars, c_mask = side(context_len)
     q_words, q_chars, q_mask = side(question_len)
+    tags = {f"{side_}_{kind}": torch.randint(1, len(names), (batch_size, n), generator=g)
+            for side_, n in (("c", context_len), ("q", question_len))
+            for kind, names in (("pos", vocab.pos_tags), ("ner", vocab.ner_tags))}
     y1 = torch.randint(0, context_len, (batch_size,), generator=g)
     y2 = (y1 + torch.randint(0, 15, (batch_size,), generator=g)).clamp(max=context_len - 1)
     return {"c_words": c_words, "c_chars": c_chars, "c_mask": c_mask,
@@ -74,7 +80,7 @@ def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
             "c_feats": torch.rand(batch_size, context_len, vocab.n_feats, generator=g),
             "q_type": torch.zeros(batch_size, dtype=torch.long), "y1": y1, "y2": y2,
             "has_answer": torch.ones(batch_size, dtype=torch.bool),
-            "idx": torch.arange(batch_size)}
+            "idx": torch.arange(batch_size), **tags}
 
 
 def _seconds(fn: Callable[[], object], steps: int, device: torch.device) -> float:

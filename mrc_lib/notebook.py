@@ -39,11 +39,15 @@ class Run:
     def smoke(self) -> bool:
         return self.profile == "smoke"
 
+    @property
+    def tag(self) -> str:
+        """A label for figure titles: smoke-scale results say so wherever they appear."""
+        return " (smoke-scale run)" if self.smoke else ""
+
     def table(self, key: str, *, caption: str, columns: list[str], rows: list[list],
               paper_columns: list[str], dataset: str, paper_source: str | None = None):
         """Record a table; ``paper_columns`` name the columns holding the paper's numbers."""
-        label = " (smoke-scale run)" if self.smoke else ""
-        self.tables[key] = {"caption": caption + label, "columns": columns, "rows": rows,
+        self.tables[key] = {"caption": caption + self.tag, "columns": columns, "rows": rows,
                             "paper_columns": paper_columns, "dataset": dataset,
                             "profile": self.profile,
                             **({"paper_source": paper_source} if paper_source else {})}

@@ -230,11 +230,10 @@ def sync_checked_outputs(executed: Path, source: Path) -> None:
         if cell["cell_type"] != "code":
             continue
         checked = "".join(cell["source"]).lstrip().startswith(CHECK_OUTPUT)
-        outputs = ran[cell["id"]]["outputs"] if checked and cell.get("id") in ran else []
-        cell["outputs"] = [{k: v for k, v in o.items() if k != "execution_count"}
-                           | ({"execution_count": None} if "execution_count" in o else {})
-                           for o in outputs]
-        cell["execution_count"] = None
+        done = ran.get(cell.get("id")) if checked else None
+        # nbval refuses stored outputs without an execution count: keep the run's count
+        cell["outputs"] = done["outputs"] if done else []
+        cell["execution_count"] = done.get("execution_count") if done else None
     atomic_write_json(source, notebook, indent=1)
 
 

