@@ -8,7 +8,7 @@ The layers, each commented below with its equations:
    network;
 2. encoder: a stacked BiRNN shared by passage and question; *enhancement*: the outputs of all its
    layers are concatenated (shortcut connections after the encoder);
-3. gated attention-based recurrent network (R-NET Eqs. 4-6): each passage word attends to the
+3. gated attention-based recurrent network (R-NET Sec. 3.2): each passage word attends to the
    question, a sigmoid gate scales ``[u_t; c_t]``, a BiRNN reads the result;
 4. self-matching attention (R-NET Sec. 3.3): the same, passage against itself;
 5. output: *enhancement*: a BiRNN pointer, two stacked BiRNNs whose states give the start and the
@@ -110,7 +110,7 @@ class Affinity(nn.Module):
 
 
 class GatedAttention(nn.Module):
-    """Gated attention-based recurrent layer (R-NET Eqs. 4-6; DecaProp Eqs. 6-8).
+    """Gated attention-based recurrent layer (R-NET Sec. 3.2; DecaProp Eqs. 6-8).
 
     ``b_i = Σ_j softmax_j(E_ij) q_j`` (Eq. 6), ``x_i = σ(W_g [p_i; b_i]) ⊙ [p_i; b_i]`` (Eq. 7),
     ``U = BiRNN(x)`` (Eq. 8). With ``gated=False`` the gate is left out (``x_i = [p_i; b_i]``).
