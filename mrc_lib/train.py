@@ -254,19 +254,20 @@ def predict_spans(model: nn.Module, split, cfg: TrainConfig,
 
 def evaluate_split(model: nn.Module, split, cfg: TrainConfig,
                    device: torch.device) -> tuple[dict, dict[str, str], dict[str, float] | None]:
-    """Official scores of ``model`` on ``split``, with the predictions (qid → answer text; ``""``
-    when the no-answer probability exceeds 1/2) and the no-answer probabilities (or ``None``)."""
+    """Official scores of ``model`` on ``split``, with the predictions (qid → the best span's
+    text) and the no-answer probabilities (or ``None``). As in the official v2.0 evaluation, a
+    question counts as unanswered when its no-answer probability exceeds the threshold (1/2
+    here), and the best thresholds are searched over the raw spans."""
     model.eval()
     qids = split.qids
     predictions, na_probs = {}, {}
     for i, start, end, _, na in predict_spans(model, split, cfg, device):
-        qid = qids[i]
-        answered = na is None or na <= 0.5
-        predictions[qid] = split.answer_text(i, start, end) if answered else ""
+        predictions[qids[i]] = split.answer_text(i, start, end)
         if na is not None:
-            na_probs[qid] = na
+            na_probs[qids[i]] = na
     na_probs = na_probs or None
-    return official_evaluate(split.squad_json(), predictions, na_probs), predictions, na_probs
+    scores = official_evaluate(split.squad_json(), predictions, na_probs, na_prob_thresh=0.5)
+    return scores, predictions, na_probs
 
 
 # --- the machine -------------------------------------------------------------------------------
@@ -592,13 +593,17 @@ class Trainer:
 
 
 def load_data(cfg: TrainConfig):
-    """The prepared train and dev splits that ``cfg`` names."""
-    from mrc_lib.data import load_prepared  # the data pipeline imports spaCy: only when needed
+    """The prepared train and dev splits that ``cfg`` names (SQuAD 2.0: the protocol of
+    :mod:`mrc_lib.data.squad2`, official when train-v2.0 is at hand, offline otherwise)."""
+    # the data pipeline imports spaCy: only when needed
+    from mrc_lib.data import load_prepared
+    from mrc_lib.data.squad2 import load_squad2
 
-    return load_prepared(cfg.dataset, splits=("train", "dev"), glove=cfg.glove,
-                         pipeline=cfg.pipeline, limits=cfg.limits,
-                         context_limit=cfg.context_limit,
-                         question_limit=cfg.question_limit)
+    limits = {"limits": cfg.limits, "context_limit": cfg.context_limit,
+              "question_limit": cfg.question_limit, "glove": cfg.glove}
+    if cfg.dataset == "squad-v2.0":
+        return load_squad2(**limits)
+    return load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline, **limits)
 
 
 def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None) -> dict:

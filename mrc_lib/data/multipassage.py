@@ -253,8 +253,9 @@ def load_multipassage(m: int | None, *, limits: dict[str, int] | None = None,
 
 
 def statistics(split: MultiPassageSplit) -> dict:
-    """Tokens and passages per example, and where the gold passage sits: its position among
-    the example's passages and its TF-IDF rank in the whole article (both from 0)."""
+    """Tokens and passages per example, paragraphs in the question's article, and where the
+    gold passage sits: its position among the example's passages and its TF-IDF rank in the
+    whole article (both from 0)."""
     ex = split.index
     tokens = split.context_lengths()
     last = split.a["ctx_ptr"][split.a["ex_ctx"][ex] + 1] - 1  # each context's last token
@@ -266,6 +267,7 @@ def statistics(split: MultiPassageSplit) -> dict:
         "tokens_mean": float(tokens.mean()),
         "tokens_percentiles": {f"p{p}": int(v) for p, v in zip(pct, np.percentile(tokens, pct))},
         "passages_mean": float(passages.mean()),
+        "article_paragraphs_mean": float(split.a["article_paragraphs"][ex].mean()),
         "gold_first": float((position == 0).mean()),
         "gold_position_counts": dict(Counter(position.tolist())),
         "gold_rank_counts": dict(Counter(split.a["gold_rank"][ex].tolist())),

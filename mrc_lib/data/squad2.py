@@ -6,9 +6,10 @@ script's ``best_f1_thresh`` practice; ``adapt`` and ``eval`` are then the same f
 
 **Offline protocol** (SQuAD 2.0 train is not available offline):
 
-* dev-v2.0 is split by article into two fixed halves, ``adapt`` and ``eval``, with as many
-  questions and the same share of unanswerable questions as the greedy assignment of
-  :func:`split_by_article` gives (deterministic: no random numbers involved);
+* dev-v2.0 is split by article into two fixed halves, ``adapt`` and ``eval``, as close in
+  size and in share of unanswerable questions as :func:`split_by_article`'s deterministic
+  search gets them (on the real file: 5,936 and 5,937 questions, 50.1% and 50.0%
+  unanswerable);
 * the training set is SQuAD v1.1 train, plus one unanswerable question for every other v1.1
   question (:func:`synthesize_unanswerable`: the question paired with another paragraph of
   its article that contains none of its answers, so one third of these examples are
@@ -57,12 +58,12 @@ def articles(sq: SquadFile) -> dict[str, list[int]]:
     return out
 
 
-def select(sq: SquadFile, index, version: str | None = None) -> SquadFile:
+def select(sq: SquadFile, index) -> SquadFile:
     """The examples ``index`` of ``sq`` (in that order) with only the contexts they use."""
     examples = [sq.examples[i] for i in index]
     used = sorted({ex.context_id for ex in examples})
     new_id = {cid: k for k, cid in enumerate(used)}
-    return SquadFile(path=sq.path, version=version or sq.version,
+    return SquadFile(path=sq.path, version=sq.version,
                      titles=[sq.titles[c] for c in used], contexts=[sq.contexts[c] for c in used],
                      examples=[replace(ex, context_id=new_id[ex.context_id]) for ex in examples])
 
@@ -102,9 +103,9 @@ def split_by_article(dev: SquadFile) -> dict[str, SquadFile]:
 
     The cost of a split is ``|share_adapt − share_eval| + |n_adapt − n_eval| / n`` (``share``:
     the fraction of unanswerable questions, ``n``: questions). Articles, largest first (ties by
-    title), go one at a time to the cheaper half; then single moves and pairwise swaps of
-    articles are made while one lowers the cost (the first best, scanning in title order).
-    Deterministic: no random numbers are involved.
+    title), go one at a time to the half with fewer questions; then, while a move of one
+    article or a swap of two lowers the cost, the best one is made (the first in title order
+    on ties). Deterministic: no random numbers are involved.
     """
     groups = articles(dev)
     titles = sorted(groups)
@@ -120,13 +121,8 @@ def split_by_article(dev: SquadFile) -> dict[str, SquadFile]:
     in_adapt = np.zeros(len(titles), dtype=bool)
     placed = np.zeros(len(titles), dtype=bool)
     for k in sorted(range(len(titles)), key=lambda k: (-counts[k, 0], titles[k])):
+        in_adapt[k] = counts[placed & in_adapt, 0].sum() <= counts[placed & ~in_adapt, 0].sum()
         placed[k] = True
-        options = []
-        for side in (True, False):
-            in_adapt[k] = side
-            n_a, n_e = counts[placed & in_adapt, 0].sum(), counts[placed & ~in_adapt, 0].sum()
-            options.append(abs(n_a - n_e))
-        in_adapt[k] = options[0] <= options[1]
     while True:
         moves = [[k] for k in range(len(titles))]
         moves += [[j, k] for j in range(len(titles)) for k in range(j + 1, len(titles))

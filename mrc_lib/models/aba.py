@@ -106,7 +106,7 @@ class AdaptiveBiAttention(nn.Module):
         self.project = nn.ModuleList(
             nn.Identity() if w == dim else nn.Linear(w, dim, bias=False) for w in widths)
         # Eq. 3: λ = [1, 0, …, 0], so that ĤOS starts as the base reader's Cⁿ.
-        self.lam = nn.Parameter(torch.zeros(len(widths)).index_fill_(0, torch.tensor(0), 1.0))
+        self.lam = nn.Parameter(torch.tensor([1.0] + [0.0] * (len(widths) - 1)))
         self.attention = ABAttention(dim, dropout)
 
     def weighted(self, hos: Sequence[Tensor]) -> Tensor:
