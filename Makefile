@@ -43,7 +43,10 @@ lint: install
 	$(VENV)/bin/ruff check .
 
 test: install chromium lint book     ## unit, integration, notebook (nbval) and browser tests
-	MRC_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -n 2 --dist loadfile --nbval-lax tests notebooks
+	# two workers, one thread each (more threads than cores makes torch 10x slower); loadfile
+	# keeps every notebook's cells on one worker, in order
+	OMP_NUM_THREADS=1 MRC_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -n 2 --dist loadfile \
+	  --nbval-lax tests notebooks
 
 clean:
 	rm -rf _build runs .pytest_cache

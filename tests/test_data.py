@@ -241,3 +241,12 @@ def test_full_pipeline_adds_tags_and_lemma_match(mirror):
     assert split.tokens(0) == ["The", "Broncos", "won", "two", "titles", "."]
     assert feats[:, 1].tolist() == [0, 0, 0, 0, 0, 0]  # no lower-case match
     assert feats[:, 2].tolist() == [0, 0, 1, 0, 1, 0]  # win/won and title/titles by lemma
+
+
+def test_parallel_tokenization_equals_serial(monkeypatch):
+    monkeypatch.setattr("mrc_lib.data.text.PARALLEL_MIN", 10)
+    texts = [f"Text {i}: the Broncos (Denver) won {i}-{i + 1} in 199{i % 10}s." for i in range(50)]
+    tok = Tokenizer()
+    serial, parallel = tok.all(texts, processes=1), tok.all(texts, processes=2)
+    assert [t.words for t in serial] == [t.words for t in parallel]
+    assert all(np.array_equal(a.starts, b.starts) for a, b in zip(serial, parallel))

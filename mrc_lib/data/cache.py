@@ -88,9 +88,10 @@ def _build(folder: Path, paths: dict, glove: str, glove_path: Path, pipeline, di
     t0 = time.perf_counter()
     files = {s: read_squad(p) for s, p in paths.items()}
     tokenizer = Tokenizer(pipeline)
-    toks = {}
-    for s, sq in files.items():
-        toks[s] = (list(tokenizer(sq.contexts)), list(tokenizer(e.question for e in sq.examples)))
+    texts = [t for sq in files.values() for t in (*sq.contexts, *(e.question for e in sq.examples))]
+    flat = iter(tokenizer.all(texts))
+    toks = {s: ([next(flat) for _ in sq.contexts], [next(flat) for _ in sq.examples])
+            for s, sq in files.items()}
     t_tok = time.perf_counter() - t0
     lowercase = glove.startswith("glove.6B")
     everything = [t for ctx, qs in toks.values() for t in ctx + qs]

@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain bars: notebooks here have no ipywidgets
 
 from mrc_lib.errors import ChecksumError, UserError
 from mrc_lib.utils import atomic_path, file_digest

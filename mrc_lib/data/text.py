@@ -7,7 +7,10 @@ adds part-of-speech tags, entity types and lemmas.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,6 +85,33 @@ class Tokenizer:
                 out.pos = [t.tag_ for t in toks]
                 out.ner = [t.ent_type_ or "O" for t in toks]
             yield out
+
+
+    def all(self, texts: list[str], processes: int | None = None) -> list[Tokens]:
+        """Tokenize a list, in ``processes`` worker processes (default: one per core) when it
+        is long enough to repay starting them; the result is the same either way."""
+        processes = processes or os.cpu_count() or 1
+        if processes < 2 or len(texts) < PARALLEL_MIN:
+            return list(self(texts))
+        chunks = [texts[i::processes * 4] for i in range(processes * 4)]  # balanced lengths
+        # fork: no re-import of __main__ (scripts, notebooks); the children only run spaCy
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(processes, mp_context=ctx) as pool:
+            done = list(pool.map(_tokenize_chunk, [self.pipeline] * len(chunks), chunks))
+        out: list[Tokens] = [None] * len(texts)  # type: ignore[list-item]
+        for i, part in enumerate(done):
+            out[i::processes * 4] = part
+        return out
+
+
+PARALLEL_MIN = 20_000  # texts; below this, starting worker processes costs more than it saves
+_WORKER_TOKENIZERS: dict[str, Tokenizer] = {}
+
+
+def _tokenize_chunk(pipeline: str, texts: list[str]) -> list[Tokens]:
+    if pipeline not in _WORKER_TOKENIZERS:
+        _WORKER_TOKENIZERS[pipeline] = Tokenizer(None if pipeline == "blank:en" else pipeline)
+    return list(_WORKER_TOKENIZERS[pipeline](texts))
 
 
 def char_to_token_span(tokens: Tokens, start: int, end: int) -> tuple[int, int, bool]:
