@@ -198,17 +198,19 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
 
 
 def reader_loss(out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-    """The span negative log-likelihood (BiDAF Eq. 6), averaged over the answerable examples.
-    A reader that also returns ``na_logits`` (SQuAD 2.0) adds the binary cross-entropy of
-    ``σ(na_logits)`` against "no answer"."""
+    """The span negative log-likelihood (BiDAF Eq. 6), averaged over the answerable examples,
+    plus the reader's own training term ``aux_loss`` if it returns one (e.g. DynSAN's L1 gate
+    penalty). A reader that also returns ``na_logits`` (SQuAD 2.0) adds the binary
+    cross-entropy of ``σ(na_logits)`` against "no answer"."""
+    aux = out["aux_loss"].float() if "aux_loss" in out else 0.0
     has = batch["has_answer"]
     # Unanswerable examples get the target -100, which cross-entropy ignores in its mean.
     y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
     span = span_loss(out["start_logits"].float(), out["end_logits"].float(), y1, y2)
     if "na_logits" not in out:
-        return span
+        return span + aux
     na = F.binary_cross_entropy_with_logits(out["na_logits"].float(), (~has).float())
-    return na + span if has.any() else na  # the mean over no example is NaN
+    return (na + span if has.any() else na) + aux  # the mean over no example is NaN
 
 
 def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:

@@ -125,15 +125,17 @@ class AdaptiveBiAttention(nn.Module):
         return self.attention(self.weighted(hos_p), self.weighted(hos_q), c_mask, q_mask)
 
 
-def attend(base: nn.Module, project: nn.Module, aba: AdaptiveBiAttention | None,
-           p_layers: Sequence[Tensor], q_layers: Sequence[Tensor], c_mask: Tensor,
-           q_mask: Tensor) -> tuple[Tensor, Tensor]:
+def attend(reader: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """A reader's attention layer with or without ABA: ``(project(G), map)`` from the base
-    attention, or ``(project(I), Ĥ)`` when ``aba`` is given, with ``A = project(G)`` as the last
-    granularity (reading 5). ``p_layers``/``q_layers`` are ``[E, C¹, …, Cⁿ]``."""
-    g, attn = base(p_layers[-1], q_layers[-1], c_mask, q_mask)
-    a = project(g)
-    if aba is None:
+    attention, or ``(project(I), Ĥ)`` when ``reader.aba`` is set, with ``A = project(G)`` as the
+    last granularity (reading 5). The reader provides ``layers(words, chars, mask, feats)``
+    (``[E, C¹, …, Cⁿ]`` for one side), ``attention``, ``attn_proj`` and ``aba``."""
+    c_mask, q_mask = batch["c_mask"], batch["q_mask"]
+    p_layers = reader.layers(batch["c_words"], batch["c_chars"], c_mask, batch.get("c_feats"))
+    q_layers = reader.layers(batch["q_words"], batch["q_chars"], q_mask)
+    g, attn = reader.attention(p_layers[-1], q_layers[-1], c_mask, q_mask)
+    a = reader.attn_proj(g)
+    if reader.aba is None:
         return a, attn
-    i, attn = aba(p_layers, q_layers, a, attn, c_mask, q_mask)
-    return project(i), attn
+    i, attn = reader.aba(p_layers, q_layers, a, attn, c_mask, q_mask)
+    return reader.attn_proj(i), attn

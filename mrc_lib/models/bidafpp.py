@@ -129,12 +129,9 @@ class BiDAFPP(nn.Module):
         return [e, self.encoder(e, mask)]
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        c_mask, q_mask = batch["c_mask"], batch["q_mask"]
-        p_layers = self.layers(batch["c_words"], batch["c_chars"], c_mask, batch.get("c_feats"))
-        q_layers = self.layers(batch["q_words"], batch["q_chars"], q_mask)
-        # 3. A = ReLU(W G), or ReLU(W I) with ABA.
-        x, attn = attend(self.attention, self.attn_proj, self.aba, p_layers, q_layers, c_mask,
-                         q_mask)
+        c_mask = batch["c_mask"]
+        # 1-3. A = ReLU(W G), or ReLU(W I) with ABA.
+        x, attn = attend(self, batch)
         # 4-5.
         x = self.self_attention(x, c_mask)
         h_start = self.start_rnn(x, c_mask)

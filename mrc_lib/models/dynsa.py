@@ -22,7 +22,8 @@ The selection is a batched ``topk`` + ``gather`` + ``scatter``: no ``L × L`` te
 built. Switches for the paper's ablations (Table 3): ``conv=False`` (no local encoder),
 ``attention=False`` (no self-attention: conv and gating only), ``selection="random"`` (``K``
 random real tokens instead of the top-``K`` gates), ``gate_scaling=False`` (``Z_h = F_h + A_h``:
-the gate still chooses but no longer scales), ``beta=0`` (no L1 penalty).
+the gate still chooses but no longer scales); ``beta=0`` in :class:`~mrc_lib.models.dynsan.DynSAN`
+drops the L1 penalty.
 """
 
 from __future__ import annotations
@@ -36,25 +37,11 @@ from mrc_lib.nn import DepthwiseSeparableConv
 SELECTIONS = ("gate", "random")
 
 
-class GateL1(torch.autograd.Function):
-    """Identity in the forward pass; the backward pass adds the gradient of ``β‖G‖₁`` (Eq. 6).
-
-    The trainer minimizes the span loss alone. Since ``G = σ(·) > 0``, ``∂(β Σ G) / ∂G = β``,
-    so adding ``β / B`` to the gradient of every real gate value (``B`` examples, the loss being
-    a batch mean) is exactly training on ``loss + β · mean_b ‖G_b‖₁``.
-    """
-
-    @staticmethod
-    def forward(ctx, g: Tensor, mask: Tensor, beta: float) -> Tensor:
-        ctx.save_for_backward(mask)
-        ctx.beta = beta
-        return g.view_as(g)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (mask,) = ctx.saved_tensors
-        penalty = ctx.beta / mask.shape[0] * mask.unsqueeze(-1).to(grad.dtype)
-        return grad + penalty, None, None
+def gate_penalty(gates: list[Tensor], beta: float, batch_size: int) -> Tensor:
+    """Eq. 6: ``β‖G‖₁`` over every gate activity of an example (``G = σ(·) ≥ 0``, so the
+    norm is the sum), averaged over the batch like the span loss. The reader returns it as
+    ``aux_loss`` and the trainer adds it to the loss."""
+    return beta * sum(g.float().sum() for g in gates) / batch_size
 
 
 def select_tokens(scores: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -97,7 +84,6 @@ class DynSA(nn.Module):
         top_k: ``K``, tokens attended per head (paper: 256).
         num_convs, kernel_size: the local encoder (paper: 2 convolutions of width 7).
         dropout: dropout on every residual branch (paper: 0.1).
-        beta: ``β`` of the L1 gate penalty, Eq. 6 (paper: 1e-5; 0 disables it).
         conv, attention, selection, gate_scaling: the ablation switches of the module
             docstring (defaults: the full block).
 
@@ -105,7 +91,7 @@ class DynSA(nn.Module):
     """
 
     def __init__(self, dim: int, heads: int = 8, top_k: int = 256, num_convs: int = 2,
-                 kernel_size: int = 7, dropout: float = 0.1, beta: float = 1e-5, *,
+                 kernel_size: int = 7, dropout: float = 0.1, *,
                  conv: bool = True, attention: bool = True, selection: str = "gate",
                  gate_scaling: bool = True):
         super().__init__()
@@ -113,7 +99,7 @@ class DynSA(nn.Module):
             raise ValueError(f"dim {dim} is not divisible by heads {heads}")
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
-        self.heads, self.top_k, self.beta = heads, top_k, beta
+        self.heads, self.top_k = heads, top_k
         self.attention, self.selection, self.gate_scaling = attention, selection, gate_scaling
         self.convs = nn.ModuleList(DepthwiseSeparableConv(dim, dim, kernel_size, relu=True)
                                    for _ in range(num_convs if conv else 0))
@@ -131,11 +117,8 @@ class DynSA(nn.Module):
         return x
 
     def gate(self, f: Tensor, mask: Tensor) -> Tensor:
-        """Eq. 1: ``G = σ(F^G(F))`` ``[B, L, H]``, 0 at padding, with the Eq. 6 penalty."""
-        g = torch.sigmoid(self.f_g(f)).masked_fill(~mask.unsqueeze(-1), 0.0)
-        if self.training and self.beta > 0:
-            g = GateL1.apply(g, mask, self.beta)
-        return g
+        """Eq. 1: ``G = σ(F^G(F))`` ``[B, L, H]``, 0 at padding."""
+        return torch.sigmoid(self.f_g(f)).masked_fill(~mask.unsqueeze(-1), 0.0)
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         B, L, D = x.shape

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
 from mrc_lib.models import register
-from mrc_lib.models.dynsa import DynSA
+from mrc_lib.models.dynsa import DynSA, gate_penalty
 from mrc_lib.models.inputs import InputEmbedding
 from mrc_lib.nn import RNN, CoAttention, EncoderBlock, add_positions, mask_logits
 
@@ -145,11 +145,10 @@ class DynSAN(nn.Module):
                 return Baseline(RNN(d_model, d_model // 2, dropout=dropout))
             if block == "fullsan":
                 return Baseline(EncoderBlock(d_model, num_convs, kernel_size, heads, dropout))
-            return DynSA(d_model, heads, top_k, num_convs, kernel_size, dropout, beta,
-                         conv=conv, attention=attention, selection=selection,
-                         gate_scaling=gate_scaling)
+            return DynSA(d_model, heads, top_k, num_convs, kernel_size, dropout, conv=conv,
+                         attention=attention, selection=selection, gate_scaling=gate_scaling)
 
-        self.cross_passage = cross_passage
+        self.cross_passage, self.beta = cross_passage, beta
         # 1. Input: Highway([GloVe; CharCNN]) projected to D.
         self.embed = InputEmbedding(vocab, char_dim=char_dim, char_channels=char_channels,
                                     char_kernel=char_kernel, word_dropout=dropout,
@@ -178,19 +177,23 @@ class DynSAN(nn.Module):
         passage = batch.get("c_passage", torch.zeros_like(batch["c_words"]))
         layout = PassageLayout.of(passage, c_mask)
         p_mask, M = layout.passage_mask, layout.passages
-        gates = []  # [B, L, H] per DynSA layer, for Figure 4
+        gates = []  # [B, L, H] per DynSA layer over the context, for Figure 4
+        every_gate = []  # question side too, for the Eq. 6 penalty
 
         def run(blk: nn.Module, x: Tensor, mask: Tensor, per_passage: bool) -> Tensor:
             y, g = blk(x, mask)
             if g is not None:
                 gates.append(layout.merge(g) if per_passage else g)
+                every_gate.append(g)
             return y
 
         # Layers 1-2: passages [B·M, Lp, D] and question [B, Lq, D].
         c = add_positions(layout.split(self.embed_side(batch["c_words"], batch["c_chars"])))
         q = add_positions(self.embed_side(batch["q_words"], batch["q_chars"]))
         c = run(self.encoder, self.dropout(c), p_mask, True)
-        q, _ = self.encoder(self.dropout(q), q_mask)
+        q, g_q = self.encoder(self.dropout(q), q_mask)
+        if g_q is not None:
+            every_gate.append(g_q)
         # Layer 3: each passage against the question.
         g, attn = self.attention(c, q.repeat_interleave(M, 0), p_mask,
                                  q_mask.repeat_interleave(M, 0))
@@ -214,4 +217,6 @@ class DynSAN(nn.Module):
                "attention": layout.merge(attn).float()}
         if gates:
             out["gates"] = torch.stack(gates, dim=1).float()  # [B, layers, L, H]
+        if self.training and self.beta > 0 and every_gate:
+            out["aux_loss"] = gate_penalty(every_gate, self.beta, len(c_mask))  # Eq. 6
         return out

@@ -65,12 +65,9 @@ class QANetNA(QANet):
         return out
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        c_mask, q_mask = batch["c_mask"], batch["q_mask"]
-        p_layers = self.layers(batch["c_words"], batch["c_chars"], c_mask, batch.get("c_feats"))
-        q_layers = self.layers(batch["q_words"], batch["q_chars"], q_mask)
-        # Layer 3: W[c; a; c⊙a; c⊙b] from the base attention, or W·I from ABA.
-        x, attn = attend(self.attention, self.attn_proj, self.aba, p_layers, q_layers, c_mask,
-                         q_mask)
+        c_mask = batch["c_mask"]
+        # Layers 1-3: W[c; a; c⊙a; c⊙b] from the base attention, or W·I from ABA.
+        x, attn = attend(self, batch)
         # Layers 4-5 as in QANet.
         m0 = self.model_encoder(self.dropout(x), c_mask)
         m1 = self.model_encoder(self.dropout(m0), c_mask)
