@@ -56,6 +56,10 @@ class Run:
         return pd.DataFrame(rows, columns=columns)
 
     def figure(self, key: str, fig, *, dpi: int = 110) -> Path:
+        """Save ``fig`` as ``key.png``; a smoke-scale figure is stamped as such in its corner."""
+        if self.smoke:
+            fig.text(0.995, 0.003, "smoke-scale run (CPU): not comparable to the paper",
+                     ha="right", va="bottom", fontsize=8, color="firebrick")
         path = self.out_dir / f"{key}.png"
         fig.savefig(path, dpi=dpi, bbox_inches="tight")
         self.figures[key] = path.name

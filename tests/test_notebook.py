@@ -1,0 +1,41 @@
+"""The notebook helper: smoke-scale outputs say so, results files validate."""
+
+import json
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from mrc_lib.errors import UserError  # noqa: E402
+from mrc_lib.notebook import Run  # noqa: E402
+
+
+def make_run(tmp_path, profile):
+    return Run(profile, 0, torch.device("cpu"), tmp_path)
+
+
+@pytest.mark.parametrize("profile, labelled", [("smoke", True), ("full", False)])
+def test_smoke_figures_and_tables_are_labelled(tmp_path, profile, labelled):
+    run = make_run(tmp_path, profile)
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    run.figure("figure1", fig)
+    stamped = any("smoke-scale" in t.get_text() for t in fig.texts)
+    assert stamped == labelled and (tmp_path / "figure1.png").is_file()
+    run.table("table1", caption="Scores", columns=["Model", "F1", "F1 (paper)"],
+              rows=[["x", 1.0, 77.3]], paper_columns=["F1 (paper)"], dataset="SQuAD v1.1 dev")
+    assert ("smoke-scale" in run.tables["table1"]["caption"]) == labelled
+    results = json.loads(run.save().read_text())
+    assert results["figures"] == {"figure1": "figure1.png"}
+    plt.close(fig)
+
+
+def test_table_without_paper_numbers_is_refused(tmp_path):
+    run = make_run(tmp_path, "smoke")
+    run.table("table1", caption="Scores", columns=["Model", "F1", "F1 (paper)"],
+              rows=[["x", 1.0, None]], paper_columns=["F1 (paper)"], dataset="SQuAD v1.1 dev")
+    with pytest.raises(UserError):
+        run.save()
