@@ -65,6 +65,15 @@ class Run:
         self.figures[key] = path.name
         return path
 
+    def train(self, name: str, cfg, data=None) -> dict:
+        """Train run ``name`` of this chapter per ``cfg`` (resuming its checkpoint if one is
+        there) and return its metrics, with the reader's ``analysis`` payload when it has one.
+        Chapters train through this one call, so that runs are recorded in one place."""
+        from mrc_lib.train import train
+
+        out = self.out_dir / name
+        return train(cfg, out, resume=(out / "checkpoint.pt").exists(), data=data)
+
     def save(self) -> Path:
         results = {"tables": self.tables, "figures": self.figures, "notes": self.notes,
                    "data_digests": self.data_digests, "device": device_name(self.device)}

@@ -200,9 +200,13 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
 def reader_loss(out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
     """The span negative log-likelihood (BiDAF Eq. 6), averaged over the answerable examples,
     plus the reader's own training term ``aux_loss`` if it returns one (e.g. DynSAN's L1 gate
-    penalty). A reader that also returns ``na_logits`` (SQuAD 2.0) adds the binary
+    penalty). A reader whose paper defines another objective returns it as ``loss`` (computed
+    in ``forward`` from the batch's targets), which replaces the span NLL. A reader that also
+    returns ``na_logits`` (SQuAD 2.0) adds the binary
     cross-entropy of ``σ(na_logits)`` against "no answer"."""
     aux = out["aux_loss"].float() if "aux_loss" in out else 0.0
+    if "loss" in out:  # a reader with its own objective (e.g. a loss over every answer occurrence)
+        return out["loss"].float() + aux
     has = batch["has_answer"]
     # Unanswerable examples get the target -100, which cross-entropy ignores in its mean.
     y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
@@ -375,6 +379,7 @@ class Trainer:
         self.progress = Progress()
         self.pending: list[Tensor] = []  # losses since the last check, still on the device
         self.summary: dict | None = None  # the metrics of the latest epoch
+        self.analysis: dict | None = None  # the reader's figure payload, once training ends
         self.commit = git_commit()
         self.clock = time.perf_counter()
 
@@ -547,9 +552,24 @@ class Trainer:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         self._log({"event": "epoch", **record})
         self._checkpoint()
+        if self.process.is_main and self._finished_all():
+            self.analysis = self._analysis()
         self.summary = self.metrics()
         if self.process.is_main:
             atomic_write_json(self.out / "metrics.json", self.summary)
+
+    def _finished_all(self) -> bool:
+        return self.progress.epoch >= self.cfg.epochs or self._out_of_steps()
+
+    def _analysis(self) -> dict | None:
+        """The reader's figure payload (its optional ``analysis(split)`` method, averaged
+        weights, eval mode): small JSON data the chapter draws from, kept in the run's record so
+        that a figure can be redrawn without the weights."""
+        if not hasattr(self.model, "analysis"):
+            return None
+        with averaged(self.model, self.ema), torch.no_grad():
+            self.model.eval()
+            return self.model.analysis(self.data.splits["dev"])
 
     def _broadcast(self, value):
         """Rank 0's ``value`` on every process."""
@@ -591,6 +611,7 @@ class Trainer:
             "torch": torch.__version__, "git_commit": self.commit,
             "data_digests": self.data.digests, "config": cfg.to_dict(),
             "history": progress.history,
+            **({"analysis": self.analysis} if self.analysis is not None else {}),
         }
 
 
