@@ -1,7 +1,7 @@
 """Benchmark: peak memory and time of a training step against sequence length, for a stack of
 DynSA blocks and the encoders it replaces (beyond DynSAN's paper, Zhuang & Wang 2019).
 
-Four encoders of ``N = 4`` blocks, width ``D = 128``, ``H = 8`` heads, over one sequence of
+Five encoders of ``N = 4`` blocks, width ``D = 128``, ``H = 8`` heads, over one sequence of
 ``L`` tokens (batch 1, no padding); a step is forward, backward and an Adam update:
 
 * ``dynsa``: DynSA blocks with ``K = 256`` (:mod:`mrc_lib.models.dynsa`);
@@ -9,7 +9,9 @@ Four encoders of ``N = 4`` blocks, width ``D = 128``, ``H = 8`` heads, over one 
 * ``san_materialized``: QANet encoder blocks whose self-attention builds the ``L × L`` score
   matrix explicitly, as 2019 implementations did;
 * ``san_sdpa``: the same blocks through ``scaled_dot_product_attention``, which on a GPU runs
-  fused kernels (FlashAttention / memory-efficient) that never store the ``L × L`` matrix.
+  fused kernels (FlashAttention / memory-efficient) that never store the ``L × L`` matrix;
+* ``bibosa``: Bi-BloSA blocks (:mod:`mrc_lib.models.bibosa`), the block-level rival of
+  DynSAN's Tables 3 and 4.
 
 Peak memory is the growth over the timed steps, from a baseline taken after one warm-up step
 (model, input and Adam's state allocated), of CUDA's peak allocated bytes or, on a CPU, of the
@@ -46,13 +48,14 @@ from torch import Tensor, nn
 
 from mrc_lib.bench import SyntheticVocab, synthetic_batch
 from mrc_lib.models import build_model
+from mrc_lib.models.bibosa import BiBloSABlock
 from mrc_lib.models.dynsa import DynSA
 from mrc_lib.models.dynsan import Baseline
 from mrc_lib.nn import RNN, EncoderBlock, MultiHeadSelfAttention, mask_logits, span_loss
 from mrc_lib.train import device_name, resolve_device
 from mrc_lib.utils import atomic_write_json
 
-ENCODERS = ("dynsa", "bilstm", "san_materialized", "san_sdpa")
+ENCODERS = ("dynsa", "bilstm", "san_materialized", "san_sdpa", "bibosa")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -86,6 +89,8 @@ def encoder_block(kind: str, dim: int, heads: int, top_k: int) -> nn.Module:
         return DynSA(dim, heads, top_k)
     if kind == "bilstm":
         return Baseline(RNN(dim, dim // 2))
+    if kind == "bibosa":
+        return BiBloSABlock(dim, conv=False)
     block = EncoderBlock(dim, num_convs=2, kernel_size=7, heads=heads)
     if kind == "san_materialized":
         materialize(block)
@@ -104,8 +109,10 @@ def measure(spec: dict) -> dict:
         batch = {k: v.to(device) for k, v in synthetic_batch(vocab, B, L).items()}
 
         def loss() -> Tensor:
+            # the reader's own objective in training; the span NLL in eval (no loss returned)
             out = model(batch)
-            return span_loss(out["start_logits"], out["end_logits"], batch["y1"], batch["y2"])
+            return out["loss"] if "loss" in out else span_loss(
+                out["start_logits"], out["end_logits"], batch["y1"], batch["y2"])
     else:
         blocks = nn.ModuleList(encoder_block(spec["encoder"], spec["dim"], spec["heads"],
                                              spec["top_k"]) for _ in range(spec["blocks"]))

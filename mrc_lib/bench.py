@@ -78,14 +78,16 @@ def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
     return {"c_words": c_words, "c_chars": c_chars, "c_mask": c_mask,
             "q_words": q_words, "q_chars": q_chars, "q_mask": q_mask,
             "c_feats": torch.rand(batch_size, context_len, vocab.n_feats, generator=g),
+            "q_feats": torch.randint(0, 2, (batch_size, question_len, 2), generator=g).float(),
             "q_type": torch.zeros(batch_size, dtype=torch.long), "y1": y1, "y2": y2,
             "has_answer": torch.ones(batch_size, dtype=torch.bool),
             "idx": torch.arange(batch_size), **tags}
 
 
-def _seconds(fn: Callable[[], object], steps: int, device: torch.device) -> float:
-    """Wall time of ``steps`` calls of ``fn`` after ``WARMUP_STEPS`` untimed ones."""
-    for _ in range(WARMUP_STEPS):
+def _seconds(fn: Callable[[], object], steps: int, device: torch.device,
+             warmup: int = WARMUP_STEPS) -> float:
+    """Wall time of ``steps`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -98,9 +100,9 @@ def _seconds(fn: Callable[[], object], steps: int, device: torch.device) -> floa
 
 
 def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int = 10,
-          device: str = "auto") -> dict:
-    """Measure reader ``model_name`` (full-profile hyperparameters) on synthetic batches."""
-    cfg = resolve_config(model_name, profile="full",
+          device: str = "auto", profile: str = "full", warmup: int = WARMUP_STEPS) -> dict:
+    """Measure reader ``model_name`` (``profile``'s hyperparameters) on synthetic batches."""
+    cfg = resolve_config(model_name, profile=profile,
                          overrides=[f"device={device}", f"batch_size={batch_size}"])
     dev = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
@@ -123,12 +125,13 @@ def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int 
             model(batch)
 
     model.train()
-    train_seconds = _seconds(train_once, steps, dev)
+    train_seconds = _seconds(train_once, steps, dev, warmup)
     model.eval()
-    infer_seconds = _seconds(infer_once, steps, dev)
+    infer_seconds = _seconds(infer_once, steps, dev, warmup)
     train_rate = steps * batch_size / train_seconds
     return {
-        "model": cfg.model, "device": device_name(dev), "torch": torch.__version__,
+        "model": cfg.model, "profile": profile, "device": device_name(dev),
+        "torch": torch.__version__,
         "bf16": cfg.bf16 and dev.type == "cuda", "seq_len": seq_len,
         "question_len": QUESTION_LEN, "batch_size": batch_size, "steps": steps,
         "params": count_parameters(model),

@@ -10,8 +10,14 @@ MathJax is served from the book itself so that math renders without a network:
 and unpacks the files the ``tex-mml-chtml`` component loads into ``.cache/book_static``, which
 ``_config.yml`` lists in ``html_static_path``.
 
+The repository URL is one setting, ``repository.url`` in ``_config.yml``: the launch buttons
+(Colab, Binder) read it there, and ``python -m mrc_lib.book install-cells`` writes it into
+every notebook's install cell (:func:`install_cell`). Without it the book still builds, with no
+launch buttons, and the install cell asks for a local install.
+
     python -m mrc_lib.book fetch-mathjax   # before `jupyter-book build .`
     python -m mrc_lib.book render          # rewrite book/reproductions.md
+    python -m mrc_lib.book install-cells   # rewrite the notebooks' install cells
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BOOK_DIR = ROOT / "book"
 RESULTS_DIR = BOOK_DIR / "results"
 PAGE = BOOK_DIR / "reproductions.md"
+CONFIG = ROOT / "_config.yml"
+NOTEBOOKS_DIR = ROOT / "notebooks"
+INSTALL_CELL_MARK = "# On a fresh runtime (Colab, Binder), install the library first"
 
 MATHJAX_VERSION = "3.2.2"
 MATHJAX_URL = f"https://registry.npmjs.org/mathjax/-/mathjax-{MATHJAX_VERSION}.tgz"
@@ -49,10 +58,23 @@ SMOKE_WARNING = "Smoke-scale (CPU) result — not comparable to the paper"
 HIDDEN_PARAMETERS = ("out_dir", "data_dir")  # locations on the machine that ran, not settings
 
 
+def is_paper_key(key: str) -> bool:
+    """Whether a results key reproduces a paper's table or figure (``table4``, ``figure5a``,
+    ``table3_ensemble``) rather than naming one of ours (``figure_lengths``)."""
+    return re.fullmatch(r"(table|figure)\d\w*", key) is not None
+
+
 def label(key: str) -> str:
-    """The paper's name for a results key: ``"table4"`` -> ``"Table 4"``."""
-    kind, number = re.fullmatch(r"(table|figure)(\w+)", key).groups()
-    return f"{kind.capitalize()} {number}"
+    """A results key's caption title: the paper's number for a paper's table or figure
+    (``"table4"`` -> ``"Table 4 (the paper's numbering)"``, ``"table3_ensemble"`` -> ``"Table 3,
+    ensemble (the paper's numbering)"``), a plain title for ours (``"figure_question_types"`` ->
+    ``"Question types"``), never a paper number."""
+    kind, rest = re.fullmatch(r"(table|figure)_?(\w+)", key).groups()
+    if is_paper_key(key):
+        number, _, part = rest.partition("_")
+        part = f", {part.replace('_', ' ')}" if part else ""
+        return f"{kind.capitalize()} {number}{part} (the paper's numbering)"
+    return rest.replace("_", " ").capitalize()
 
 
 def format_cell(value) -> str:
@@ -64,8 +86,11 @@ def format_cell(value) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
 
 
-def profile_note(profile: str) -> str:
-    """How a caption qualifies a number of this profile."""
+def profile_note(profile: str, scale: str | None = None) -> str:
+    """How a caption qualifies a number of this profile, or one computed on ``scale`` (the data
+    it used, the same at every profile)."""
+    if scale:
+        return f"computed on {scale} (the same at every profile)"
     return "smoke-scale (CPU), not comparable to the paper" if profile == "smoke" else "full-scale"
 
 
@@ -88,16 +113,25 @@ def render_table(key: str, table: dict) -> str:
     """
     paper = ", ".join(table["paper_columns"])
     source = f" reported by {table['paper_source']}" if table.get("paper_source") else ""
-    caption = (f"**{label(key)}** (the paper's numbering). {table['caption']} "
-               f"Ours: {table['dataset']}, {profile_note(table['profile'])}. "
+    caption = (f"**{label(key)}.** {table['caption']} "
+               f"Ours: {table['dataset']}, {profile_note(table['profile'], table.get('scale'))}. "
                f"Paper's numbers{source}: {paper}.")
     return f"{caption}\n\n{markdown_table(table['columns'], table['rows'])}"
 
 
-def render_figure(key: str, path: str, profile: str) -> str:
+def render_figure(key: str, path: str, profile: str, scale: str | None = None) -> str:
     """A figure captioned in prose: Sphinx's own numbering would clash with the paper's."""
     return (f":::{{image}} {path}\n:alt: {label(key)}\n:width: 80%\n:::\n\n"
-            f"**{label(key)}** (the paper's numbering), ours: {profile_note(profile)}.")
+            f"**{label(key)}**, ours: {profile_note(profile, scale)}.")
+
+
+def render_commit(meta: dict) -> str:
+    """The commit a chapter ran, and the tracked files that differed from it, if any."""
+    if not meta.get("commit"):
+        return "unknown"
+    dirty = meta.get("dirty", [])
+    files = ", ".join(f"`{p}`" for p in dirty)
+    return f"`{meta['commit']}`" + (f", with uncommitted changes to {files}" if dirty else "")
 
 
 def render_metadata(meta: dict) -> str:
@@ -108,7 +142,7 @@ def render_metadata(meta: dict) -> str:
     items = {
         "Profile": f"`{meta['profile']}`",
         "Device": meta["device"],
-        "Commit": f"`{meta['commit']}`" if meta["commit"] else "unknown",
+        "Commit": render_commit(meta),
         "Date": meta["timestamp"],
         "Duration": f"{meta['duration_s']:.0f} s",
         "Parameters": params or "defaults",
@@ -117,12 +151,21 @@ def render_metadata(meta: dict) -> str:
     return "\n".join(f"- **{k}:** {v}" for k, v in items.items())
 
 
+def profile_free(result: dict) -> bool:
+    """Whether every table and figure of a chapter names the data it was computed on, the same
+    at every profile (then a smoke run is no smaller than a full one)."""
+    scales = result.get("figure_scales", {})
+    return (all(t.get("scale") for t in result["tables"].values())
+            and all(scales.get(k) for k in result["figures"]))
+
+
 def render_chapter(result: dict) -> str:
     """The section of one chapter: provenance, tables, figures and notes."""
     name, meta = result["name"], result["metadata"]
     parts = [f"## {result['title']}",
              f"Chapter: [{result['title']}]({name}.ipynb), notebook `notebooks/{name}.ipynb`."]
-    if meta["profile"] == "smoke":
+    scales = result.get("figure_scales", {})
+    if meta["profile"] == "smoke" and not profile_free(result):
         parts.append(f":::{{admonition}} {SMOKE_WARNING}\n:class: warning\n\n"
                      "This chapter was last reproduced with the `smoke` profile: a small subset "
                      "and a few training steps, which checks that the code runs end to end and "
@@ -131,7 +174,8 @@ def render_chapter(result: dict) -> str:
                      "these numbers.\n:::")
     parts.append(render_metadata(meta))
     parts += [render_table(k, t) for k, t in result["tables"].items()]
-    parts += [render_figure(k, p, meta["profile"]) for k, p in result["figures"].items()]
+    parts += [render_figure(k, p, meta["profile"], scales.get(k))
+              for k, p in result["figures"].items()]
     if result["notes"]:
         parts.append("Notes:\n\n" + "\n".join(f"- {n}" for n in result["notes"]))
     return "\n\n".join(parts)
@@ -192,12 +236,57 @@ def fetch_mathjax(dest: str | Path = MATHJAX_STATIC,
     return dest
 
 
+def repository_url(config: str | Path = CONFIG) -> str | None:
+    """The book's one repository setting, ``repository.url`` in ``_config.yml`` (or None)."""
+    import yaml
+
+    settings = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+    return (settings.get("repository") or {}).get("url") or None
+
+
+def install_cell(url: str | None) -> str:
+    """The source of a notebook's first code cell after the parameters: install ``mrc_lib``
+    from ``url`` on a fresh runtime (a no-op where it is installed)."""
+    head = (f"{INSTALL_CELL_MARK}; a no-op where it is installed.\n"
+            "# REPOSITORY: `repository.url` in _config.yml (`python -m mrc_lib.book "
+            "install-cells`).\n"
+            "import importlib.util\nimport subprocess\nimport sys\n\n"
+            f"REPOSITORY = {json.dumps(url) if url else None}\n")
+    install = ('    subprocess.run([sys.executable, "-m", "pip", "install", "-q", '
+               'f"git+{REPOSITORY}"],\n                   check=True)')
+    missing = ('    raise ModuleNotFoundError("mrc_lib is not installed and the book names no "\n'
+               '                              "repository: run `pip install -e .` in a clone")')
+    return (head + "if importlib.util.find_spec(\"mrc_lib\") is None:\n"
+            + (install if url else missing))
+
+
+def write_install_cells(notebooks: str | Path = NOTEBOOKS_DIR,
+                        url: str | None = None) -> list[Path]:
+    """Replace the install cell (the code cell starting :data:`INSTALL_CELL_MARK`) of every
+    ``notebooks/*.ipynb`` by :func:`install_cell` of ``url`` (default: :func:`repository_url`);
+    return the notebooks that changed."""
+    source = install_cell(url if url is not None else repository_url())
+    changed = []
+    for path in sorted(Path(notebooks).glob("*.ipynb")):
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        cells = [c for c in notebook["cells"] if c["cell_type"] == "code"
+                 and "".join(c["source"]).startswith(INSTALL_CELL_MARK)]
+        if cells and "".join(cells[0]["source"]) != source:
+            cells[0]["source"] = source.splitlines(keepends=True)
+            atomic_write_bytes(path, (json.dumps(notebook, indent=1, ensure_ascii=False)
+                                      + "\n").encode("utf-8"))
+            changed.append(path)
+    return changed
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mrc_lib.book", description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=["render", "fetch-mathjax"])
+    commands = {"render": write_reproductions, "fetch-mathjax": fetch_mathjax,
+                "install-cells": write_install_cells}
+    p.add_argument("command", choices=list(commands))
     args = p.parse_args(argv)
     try:
-        print(write_reproductions() if args.command == "render" else fetch_mathjax())
+        print(commands[args.command]())
     except UserError as e:
         print(f"error: {e}")
         return e.exit_code

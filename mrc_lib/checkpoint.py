@@ -4,10 +4,20 @@ A checkpoint is one ``torch.save`` dict. It is written to a temporary file and r
 name only once complete (:func:`mrc_lib.utils.atomic_path`), so a crash while saving leaves the
 previous checkpoint intact. Everything in it is made of tensors and plain Python values, so it
 loads with ``weights_only=True``.
+
+With ``part_bytes`` (the trainer's checkpoints), the serialized dict is cut into parts of at
+most that many bytes, ``NAME.<digest>.000``, ``NAME.<digest>.001``, ... (files small enough to
+travel back from a GPU machine), and ``NAME`` itself becomes a small manifest listing each
+part's size and SHA-256. The parts are written first and the manifest last, so the manifest's
+rename is the commit point; the previous checkpoint's parts are deleted only after it. A missing,
+truncated or altered part is a one-line :class:`UserError` naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
+import pickle
 import random
 from pathlib import Path
 
@@ -15,7 +25,10 @@ import numpy as np
 import torch
 
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_path
+from mrc_lib.utils import atomic_path, atomic_write_bytes
+
+PARTS_KEY = "checkpoint_parts"  # the manifest's key: a list of {"name", "bytes", "sha256"}
+PART_BYTES = 15 * 2**20  # under the 16 MB a file may have to come back from a GPU machine
 
 
 def seed_everything(seed: int) -> None:
@@ -46,17 +59,73 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path: str | Path, state: dict) -> None:
-    """Write ``state`` to ``path`` atomically: all of it, or nothing and the old file kept."""
-    with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+def save_checkpoint(path: str | Path, state: dict, part_bytes: int | None = None) -> None:
+    """Write ``state`` to ``path`` atomically: all of it, or nothing and the old file kept;
+    with ``part_bytes``, as a manifest at ``path`` and parts of at most that size beside it."""
+    if part_bytes is None:
+        with atomic_path(path) as tmp:
+            torch.save(state, tmp)
+        return
+    path = Path(path)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    blob = buffer.getvalue()
+    digest = hashlib.sha256(blob).hexdigest()
+    parts = []
+    for k, start in enumerate(range(0, max(len(blob), 1), part_bytes)):
+        chunk = blob[start:start + part_bytes]
+        name = f"{path.name}.{digest[:12]}.{k:03d}"
+        atomic_write_bytes(path.parent / name, chunk)
+        parts.append({"name": name, "bytes": len(chunk),
+                      "sha256": hashlib.sha256(chunk).hexdigest()})
+    save_checkpoint(path, {PARTS_KEY: parts})
+    keep = {p["name"] for p in parts}
+    for old in path.parent.glob(f"{path.name}.*.[0-9][0-9][0-9]"):
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint` onto the CPU."""
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """The files a checkpoint is made of: ``path`` and, for a split one, its parts."""
+    path = Path(path)
+    saved = _load(path)
+    return [path, *(path.parent / p["name"] for p in saved.get(PARTS_KEY, []))]
+
+
+def _load(path: Path):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{path}: no checkpoint to resume from") from None
-    except (RuntimeError, EOFError) as e:
-        raise UserError(f"{path}: not a readable checkpoint: {e}") from None
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
+        raise UserError(f"{path}: not a readable checkpoint: {str(e).splitlines()[0]}") from None
+
+
+def _join(path: Path, parts: list[dict]) -> bytes:
+    """The parts listed in the manifest ``path``, checked and concatenated."""
+    chunks = []
+    for part in parts:
+        file = path.parent / part["name"]
+        try:
+            chunk = file.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{file}: checkpoint part missing (listed in {path})") from None
+        if len(chunk) != part["bytes"] or hashlib.sha256(chunk).hexdigest() != part["sha256"]:
+            raise UserError(f"{file}: checkpoint part corrupt (size or SHA-256 differs from "
+                            f"{path})")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a checkpoint written by :func:`save_checkpoint` (whole or in parts) onto the CPU."""
+    path = Path(path)
+    saved = _load(path)
+    if not (isinstance(saved, dict) and PARTS_KEY in saved):
+        return saved
+    try:
+        return torch.load(io.BytesIO(_join(path, saved[PARTS_KEY])), map_location="cpu",
+                          weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        raise UserError(f"{path}: parts do not form a readable checkpoint: "
+                        f"{str(e).splitlines()[0]}") from None

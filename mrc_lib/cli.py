@@ -75,6 +75,8 @@ def cmd_reproduce(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mrc_lib.queue import add_parser as add_queue_parser
+
     p = argparse.ArgumentParser(prog="python -m mrc_lib", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -117,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="KEY=VALUE")
     s.add_argument("--resume", action="store_true")
+    s.add_argument("--record", default=None, metavar="PATH",
+                   help="write the finished run's record here (e.g. book/runs/CHAPTER/RUN.json)")
+    s.add_argument("--chapter", default="", help="the chapter named in the record")
+    s.add_argument("--run", default=None, help="the run named in the record (default: --out's "
+                                                "folder name)")
     s.set_defaults(func=cmd_train)
 
     s = sub.add_parser("predict", help="answer questions with a trained run")
@@ -142,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("-p", dest="params", nargs=2, action="append", default=[],
                    metavar=("KEY", "VALUE"))
     s.add_argument("--force", action="store_true")
+    s.add_argument("--retrain", action="store_true",
+                   help="at the full profile, train runs that have a matching record")
     s.set_defaults(func=cmd_reproduce)
+
+    add_queue_parser(sub)
     return p
 
 

@@ -30,6 +30,7 @@ CHOICES = {
     "optimizer": ("adam", "adamw", "adadelta"),
     "warmup": ("linear", "log"),
     "device": ("auto", "cpu", "cuda"),
+    "plateau_metric": ("f1", "em"),
 }
 
 
@@ -65,6 +66,8 @@ class TrainConfig:
         plateau_factor: multiply the learning rate by this factor when dev F1 has not improved
             for ``plateau_patience`` epochs; ``None``: no decay.
         plateau_patience: epochs without a dev F1 improvement before a decay.
+        plateau_metric: the dev score the plateau decay watches, ``f1`` or ``em`` (exact
+            match; DecaProp Sec. 4.2).
         grad_clip: clip the global gradient norm to this value; ``None``: no clipping.
         ema_decay: decay of the exponential moving average of the weights used for
             evaluation and saved (BiDAF 0.999, QANet 0.9999); ``None``: no averaging.
@@ -102,6 +105,7 @@ class TrainConfig:
     warmup: str = "linear"
     plateau_factor: float | None = None
     plateau_patience: int = 1
+    plateau_metric: str = "f1"
     grad_clip: float | None = None
     ema_decay: float | None = None
     epochs: int = 1

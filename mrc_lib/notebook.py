@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mrc_lib.errors import UserError
 from mrc_lib.reproduce import resolve_profile, validate_results
 from mrc_lib.train import device_name, resolve_device
 from mrc_lib.utils import atomic_write_json
@@ -34,6 +35,10 @@ class Run:
     figures: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     data_digests: dict = field(default_factory=dict)  # file name -> sha256 of the data used
+    chapter: str = ""  # the notebook's name, e.g. "01_bidaf_qanet": where its records go
+    retrain: bool = False  # at full, train even where a matching record exists
+    runs: dict = field(default_factory=dict)  # run name -> where its metrics came from
+    figure_scales: dict = field(default_factory=dict)  # figure key -> data, at every profile
 
     @property
     def smoke(self) -> bool:
@@ -45,19 +50,26 @@ class Run:
         return " (smoke-scale run)" if self.smoke else ""
 
     def table(self, key: str, *, caption: str, columns: list[str], rows: list[list],
-              paper_columns: list[str], dataset: str, paper_source: str | None = None):
-        """Record a table; ``paper_columns`` name the columns holding the paper's numbers."""
-        self.tables[key] = {"caption": caption + self.tag, "columns": columns, "rows": rows,
-                            "paper_columns": paper_columns, "dataset": dataset,
+              paper_columns: list[str], dataset: str, paper_source: str | None = None,
+              scale: str | None = None):
+        """Record a table; ``paper_columns`` name the columns holding the paper's numbers.
+        ``scale`` names the data a table was computed on when that is the same at every
+        profile (e.g. "full SQuAD v1.1 dev"): it is then labelled by it, not as smoke-scale."""
+        self.tables[key] = {"caption": caption + ("" if scale else self.tag), "columns": columns,
+                            "rows": rows, "paper_columns": paper_columns, "dataset": dataset,
                             "profile": self.profile,
-                            **({"paper_source": paper_source} if paper_source else {})}
+                            **({"paper_source": paper_source} if paper_source else {}),
+                            **({"scale": scale} if scale else {})}
         import pandas as pd
 
         return pd.DataFrame(rows, columns=columns)
 
-    def figure(self, key: str, fig, *, dpi: int = 110) -> Path:
-        """Save ``fig`` as ``key.png``; a smoke-scale figure is stamped as such in its corner."""
-        if self.smoke:
+    def figure(self, key: str, fig, *, dpi: int = 110, scale: str | None = None) -> Path:
+        """Save ``fig`` as ``key.png``; a smoke-scale figure is stamped as such in its corner,
+        unless ``scale`` names the data it was computed on at every profile (as for tables)."""
+        if scale:
+            self.figure_scales[key] = scale
+        elif self.smoke:
             fig.text(0.995, 0.003, "smoke-scale run (CPU): not comparable to the paper",
                      ha="right", va="bottom", fontsize=8, color="firebrick")
         path = self.out_dir / f"{key}.png"
@@ -65,36 +77,84 @@ class Run:
         self.figures[key] = path.name
         return path
 
-    def train(self, name: str, cfg, data=None) -> dict:
-        """Train run ``name`` of this chapter per ``cfg`` (resuming its checkpoint if one is
-        there) and return its metrics, with the reader's ``analysis`` payload when it has one.
-        Chapters train through this one call, so that runs are recorded in one place."""
-        from mrc_lib.train import train
+    def record_path(self, name: str) -> Path:
+        """Run ``name``'s record: committed under ``book/runs/<chapter>/`` at the full profile,
+        in the run folder (not committed) otherwise."""
+        from mrc_lib import records
 
+        if self.smoke:
+            return self.out_dir / name / "record.json"
+        return records.record_path(self.chapter, name)
+
+    def train(self, name: str, cfg, data=None, *, retrain: bool | None = None) -> dict:
+        """Train run ``name`` of this chapter per ``cfg`` (resuming its checkpoint if one is
+        there), write its record and return its metrics, with the reader's ``analysis``
+        payload when it has one. At the full profile, a record of the same config and data
+        (:func:`mrc_lib.records.lookup`) is returned instead, unless ``retrain`` (default: the
+        run's ``retrain``). Chapters train through this one call, so that runs are recorded in
+        one place."""
+        from mrc_lib import records
+        from mrc_lib.train import load_data, train
+
+        data = data if data is not None else load_data(cfg)
+        path = self.record_path(name)
+        retrain = self.retrain if retrain is None else retrain
+        if not self.smoke and not retrain:
+            found = records.lookup(path, cfg.to_dict(), data.digests)
+            if found is not None:
+                self._note(name, found, record=str(path.relative_to(records.ROOT)))
+                return found
         out = self.out_dir / name
-        return train(cfg, out, resume=(out / "checkpoint.pt").exists(), data=data)
+        metrics = train(cfg, out, resume=(out / "checkpoint.pt").exists(), data=data)
+        record = records.make_record(metrics, chapter=self.chapter, run=name,
+                                     log_path=out / "log.jsonl")
+        records.write_record(path, record)
+        self._note(name, record, trained=True)
+        return record
+
+    def _note(self, name: str, found: dict, **source) -> None:
+        """Where run ``name``'s metrics came from (``results.json``'s ``runs``)."""
+        from mrc_lib import records
+
+        self.runs[name] = {**source, "profile": found["config"]["profile"],
+                           "complete": found.get("complete", True),
+                           "provenance": records.provenance(found)}
 
     def save(self) -> Path:
         results = {"tables": self.tables, "figures": self.figures, "notes": self.notes,
-                   "data_digests": self.data_digests, "device": device_name(self.device)}
+                   "data_digests": self.data_digests, "device": device_name(self.device),
+                   "runs": self.runs, "figure_scales": self.figure_scales}
         path = self.out_dir / "results.json"
+        partial = sorted(name for name, r in self.runs.items()
+                         if r["profile"] != self.profile or not r["complete"])
+        if not self.smoke and partial:
+            raise UserError(f"{path}: runs {', '.join(partial)} are not complete {self.profile}-"
+                            "profile runs; a chapter is full only when all its runs are")
         validate_results(path, results, self.profile)
         atomic_write_json(path, results)
         return path
 
 
 def start(profile: str = "auto", seed: int = 0, data_dir: str = "", device: str = "auto",
-          out_dir: str = "runs/notebook") -> Run:
+          out_dir: str = "runs/notebook", *, chapter: str = "", retrain: bool = False,
+          banner: bool = True) -> Run:
     """Resolve parameters (``auto`` profile: full on CUDA, smoke otherwise), seed everything,
-    point the data pipeline at ``data_dir`` and show the smoke banner when it applies."""
+    point the data pipeline at ``data_dir`` and show the smoke banner when it applies.
+    ``chapter`` defaults to ``MRC_CHAPTER`` (set by ``reproduce``), else the name of
+    ``out_dir``'s parent (``runs/<chapter>/<profile>``); ``retrain`` is also set by
+    ``MRC_RETRAIN=1`` (``reproduce --retrain``). ``banner=False``: a chapter whose work is the
+    same at every profile shows no smoke banner (it labels its tables with ``scale``)."""
     if data_dir:
         os.environ["MRC_DATA_DIR"] = str(Path(data_dir).resolve())
-    run = Run(resolve_profile(profile), seed, resolve_device(device), Path(out_dir))
+    chapter = chapter or os.environ.get("MRC_CHAPTER") or Path(out_dir).resolve().parent.name
+    retrain = retrain or os.environ.get("MRC_RETRAIN") == "1"
+    run = Run(resolve_profile(profile), seed, resolve_device(device), Path(out_dir),
+              chapter=chapter, retrain=retrain)
     run.out_dir.mkdir(parents=True, exist_ok=True)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if run.smoke:
+    if run.smoke and banner:
         from IPython.display import Markdown, display
 
         display(Markdown(SMOKE_BANNER))

@@ -46,7 +46,10 @@ After a successful run, and only then: ``book/NAME.ipynb`` (the executed noteboo
     {"name": ..., "title": <the notebook's first heading>, "tables": {...},
      "figures": {"figure5a": "figures/NAME_figure5a.png"}, "notes": [...],
      "metadata": {"profile", "device", "commit", "data": {file name: sha256},
-                  "duration_s", "timestamp", "parameters"}}
+                  "dirty": [tracked files that differed from the commit, book/ outputs and
+                            notebooks' outputs excepted (mrc_lib.utils.git_state)],
+                  "duration_s", "timestamp", "parameters",
+                  "runs": {run: where its metrics came from (mrc_lib.notebook.Run.runs)}}}
 
 and regenerates ``book/reproductions.md`` (:mod:`mrc_lib.book`). A smoke run never replaces a
 full-profile result unless ``--force``. Every file is written atomically.
@@ -68,7 +71,13 @@ import yaml
 
 from mrc_lib import book
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_write_bytes, atomic_write_json, file_digest, git_commit
+from mrc_lib.utils import (
+    GENERATED,
+    atomic_write_bytes,
+    atomic_write_json,
+    file_digest,
+    git_state,
+)
 
 PROFILES = ("smoke", "full")
 NOTEBOOK_PATTERN = "[0-9][0-9]_*.ipynb"
@@ -269,8 +278,10 @@ def execute(layout: Layout, name: str, parameters: dict, out_dir: Path, env: dic
 
 
 def reproduce(name: str, profile: str, params: dict | None = None, force: bool = False,
-              layout: Layout = Layout()) -> Path:
-    """Run one chapter at a resolved ``profile`` and publish it; return its results file."""
+              layout: Layout = Layout(), *, retrain: bool = False) -> Path:
+    """Run one chapter at a resolved ``profile`` and publish it; return its results file.
+    At the full profile the notebook reads each run's record (``book/runs/NAME/``) instead of
+    training it, unless ``retrain`` (:mod:`mrc_lib.records`)."""
     check_overwrite(layout, name, profile, force)
     out_dir = layout.runs / name / profile
     (out_dir / "results.json").unlink(missing_ok=True)
@@ -286,8 +297,9 @@ def reproduce(name: str, profile: str, params: dict | None = None, force: bool =
         **(params or {}),
     }
     start = time.monotonic()
-    executed = execute(layout, name, parameters, out_dir,
-                       {"MRC_DATA_DIR": data_dir} if data_dir else {})
+    env = {"MRC_CHAPTER": name, "MRC_RETRAIN": "1" if retrain else "0",
+           **({"MRC_DATA_DIR": data_dir} if data_dir else {})}
+    executed = execute(layout, name, parameters, out_dir, env)
     duration = time.monotonic() - start
 
     source = out_dir / "results.json"
@@ -309,17 +321,19 @@ def reproduce(name: str, profile: str, params: dict | None = None, force: bool =
         "title": notebook_title(executed, default=name),
         "tables": {k: {**t, "profile": profile} for k, t in results.get("tables", {}).items()},
         "figures": figures,
+        "figure_scales": results.get("figure_scales", {}),  # figures the same at every profile
         "notes": results.get("notes", []),
         "metadata": {
             "profile": profile,
             "device": results.get("device") or describe_device(),
-            "commit": git_commit(layout.root),
+            **git_state(layout.root, GENERATED),  # "commit", "dirty": what ran
             "data": {**results.get("data_digests", {}),
                      **{Path(p).name: file_digest(out_dir / p)
                         for p in results.get("data_files", [])}},
             "duration_s": round(duration, 1),
             "timestamp": datetime.now(UTC).isoformat(timespec="seconds"),
             "parameters": parameters,
+            "runs": results.get("runs", {}),
         },
     }
     atomic_write_json(layout.results(name), published)
@@ -336,6 +350,7 @@ def reproduce_cli(args, layout: Layout = Layout()) -> list[Path]:
         check_overwrite(layout, name, profile, args.force)
     written = []
     for name in names:
-        written.append(reproduce(name, profile, params, args.force, layout))
+        written.append(reproduce(name, profile, params, args.force, layout,
+                                 retrain=getattr(args, "retrain", False)))
         print(written[-1])
     return written

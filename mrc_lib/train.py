@@ -10,9 +10,11 @@ A run lives in one directory ``OUT``:
 
 * ``config.json``: the resolved :class:`~mrc_lib.config.TrainConfig`;
 * ``log.jsonl``: one JSON line per ``log_every`` steps and per epoch;
-* ``checkpoint.pt``: everything needed to resume exactly (weights, averaged weights, optimizer,
-  schedule, random-number states, position in the data, history), written atomically every
-  ``checkpoint_every`` steps and at each epoch end;
+* ``checkpoint.pt``: everything needed to resume exactly (trainable weights, averaged weights,
+  optimizer, schedule, random-number states, position in the data, history; not the fixed GloVe
+  rows, which are rebuilt from the data), written atomically every ``checkpoint_every`` steps,
+  at each epoch end and when a ``deadline`` stops the run, as a manifest and parts of at most
+  15 MiB (:func:`mrc_lib.checkpoint.save_checkpoint`);
 * ``metrics.json``, ``predictions.json`` (``na_prob.json`` for readers with a no-answer head),
   ``model.pt`` (averaged weights) and ``vocab/``: the latest epoch's results, enough for
   :func:`predict_cli`.
@@ -46,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from mrc_lib.checkpoint import (
+    PART_BYTES,
     load_checkpoint,
     rng_state,
     save_checkpoint,
@@ -54,9 +57,11 @@ from mrc_lib.checkpoint import (
 )
 from mrc_lib.config import TrainConfig, apply_overrides, resolve_config
 from mrc_lib.errors import UserError
+from mrc_lib.inference import autocast, predict_spans, to_device
 from mrc_lib.metrics import evaluate as official_evaluate
 from mrc_lib.models import build_model
-from mrc_lib.nn import decode_span, span_loss
+from mrc_lib.nn import span_loss
+from mrc_lib.nn.embedding import WordEmbedding
 from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
 
 # Config keys that may differ when a run is resumed; any other change is refused.
@@ -130,6 +135,12 @@ def warmup_factor(k: int, warmup_steps: int, kind: str) -> float:
     if kind == "linear":
         return k / warmup_steps
     return math.log(k + 1) / math.log(warmup_steps + 1)
+
+
+def plateau_score(dev: dict, cfg: TrainConfig) -> float:
+    """The dev score the plateau decay watches (``cfg.plateau_metric``): F1, or exact match
+    (``exact_match`` in the v1.1 evaluation, ``exact`` in v2.0)."""
+    return dev["f1"] if cfg.plateau_metric == "f1" else dev.get("exact_match", dev.get("exact"))
 
 
 class LRSchedule:
@@ -217,16 +228,6 @@ def reader_loss(out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
     return (na + span if has.any() else na) + aux  # the mean over no example is NaN
 
 
-def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
-
-
-def autocast(cfg: TrainConfig, device: torch.device):
-    """bfloat16 autocast when ``cfg.bf16`` and on CUDA; otherwise full precision."""
-    return torch.autocast(device.type, dtype=torch.bfloat16,
-                          enabled=cfg.bf16 and device.type == "cuda")
-
-
 def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer,
                cfg: TrainConfig, device: torch.device) -> Tensor:
     """Forward, backward, gradient clipping and one optimizer step on a batch already on
@@ -243,21 +244,6 @@ def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.
 
 
 @torch.no_grad()
-def predict_spans(model: nn.Module, split, cfg: TrainConfig,
-                  device: torch.device) -> Iterator[tuple[int, int, int, float, float | None]]:
-    """The most probable span of every example of ``split`` (``model`` in eval mode), as
-    ``(index, start_token, end_token, p_start · p_end, no-answer probability or None)``."""
-    for batch in split.batches(cfg.eval_batch_size, shuffle=False):
-        with autocast(cfg, device):
-            out = model(to_device(batch, device))
-        p_start = out["start_logits"].float().softmax(-1)
-        p_end = out["end_logits"].float().softmax(-1)
-        start, end, score = decode_span(p_start, p_end, cfg.max_answer_len)
-        na = (out["na_logits"].float().sigmoid().tolist() if "na_logits" in out
-              else [None] * len(start))
-        yield from zip(batch["idx"].tolist(), start.tolist(), end.tolist(), score.tolist(), na)
-
-
 def evaluate_split(model: nn.Module, split, cfg: TrainConfig,
                    device: torch.device) -> tuple[dict, dict[str, str], dict[str, float] | None]:
     """Official scores of ``model`` on ``split``, with the predictions (qid → the best span's
@@ -342,6 +328,13 @@ class Process:
 # --- training ----------------------------------------------------------------------------------
 
 
+def rebuilt_from_data(model: nn.Module) -> set[str]:
+    """State-dict keys a checkpoint leaves out: the fixed pretrained word vectors, which the
+    vocabulary rebuilds (and which are most of a reader's size)."""
+    return {f"{name}.fixed" if name else "fixed" for name, module in model.named_modules()
+            if isinstance(module, WordEmbedding)}
+
+
 @dataclass
 class Progress:
     """Where a run stands; saved in every checkpoint."""
@@ -361,8 +354,10 @@ class Trainer:
     """Trains ``cfg.model`` on ``data.splits["train"]``, evaluating on ``data.splits["dev"]``."""
 
     def __init__(self, cfg: TrainConfig, out: Path, data, process: Process,
-                 device: torch.device):
+                 device: torch.device, deadline: float | None = None):
         self.cfg, self.out, self.data = cfg, out, data
+        self.deadline = deadline  # time.time() at which to checkpoint and stop
+        self.stopped = False  # the deadline stopped the run
         self.process, self.device = process, device
         self.model = build_model(cfg.model, data.vocab, **cfg.hparams).to(device)
         self.ema = EMA(self.model, cfg.ema_decay) if cfg.ema_decay is not None else None
@@ -390,14 +385,20 @@ class Trainer:
         return self.out / "checkpoint.pt"
 
     def state_dict(self) -> dict:
-        return {"config": self.cfg.to_dict(), "model": self.model.state_dict(),
+        skip = rebuilt_from_data(self.model)
+        model = {k: v for k, v in self.model.state_dict().items() if k not in skip}
+        return {"config": self.cfg.to_dict(), "model": model,
                 "ema": self.ema.state_dict() if self.ema is not None else None,
                 "optimizer": self.optimizer.state_dict(),
                 "schedule": self.schedule.state_dict(), "rng": rng_state(),
                 "progress": dataclasses.asdict(self.progress)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        missing, unexpected = self.model.load_state_dict(state["model"], strict=False)
+        if set(missing) - rebuilt_from_data(self.model) or unexpected:
+            raise UserError(f"{self.checkpoint_path}: the checkpoint does not fit model "
+                            f"{self.cfg.model!r} (missing {sorted(missing)}, unexpected "
+                            f"{sorted(unexpected)})")
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -438,9 +439,13 @@ class Trainer:
         cfg, progress = self.cfg, self.progress
         while progress.epoch < cfg.epochs and not self._out_of_steps():
             finished = self._train_epoch()
+            if self.stopped:
+                return self.metrics()
             self._end_epoch(finished)
             if not finished:
                 break
+        if self.summary is None and self.process.is_main and self._finished_all():
+            self.analysis = self._analysis()  # resumed a finished run: nothing was trained
         return self.summary or self.metrics()
 
     def _out_of_steps(self) -> bool:
@@ -481,6 +486,9 @@ class Trainer:
                     self._checkpoint()
                 if self._out_of_steps():
                     return progress.step_in_epoch == steps
+                if self.deadline is not None and time.time() >= self.deadline:
+                    self._stop()
+                    return False
         return True
 
     def _step(self, batch: dict[str, Tensor]) -> Tensor:
@@ -523,7 +531,15 @@ class Trainer:
         self._flush()
         if self.process.is_main:
             self.progress.log_bytes = (self.out / "log.jsonl").stat().st_size
-            save_checkpoint(self.checkpoint_path, self.state_dict())
+            save_checkpoint(self.checkpoint_path, self.state_dict(), PART_BYTES)
+
+    def _stop(self) -> None:
+        """The deadline has passed: checkpoint where the run stands (a resume continues it
+        exactly) and stop."""
+        self._tick()
+        self._checkpoint()
+        self.stopped = True
+        self._log({"event": "deadline", "step": self.progress.global_step})
 
     def _end_epoch(self, finished: bool) -> None:
         """Evaluate the averaged weights on dev, update the schedule and the history, write
@@ -542,7 +558,8 @@ class Trainer:
                 self._write_outputs(predictions, na_probs)
             record.update(eval_seconds=time.perf_counter() - tic, dev=dev)
         dev_f1 = self._broadcast(record["dev"]["f1"] if "dev" in record else None)
-        self.schedule.epoch_end(dev_f1)
+        self.schedule.epoch_end(self._broadcast(plateau_score(record["dev"], self.cfg)
+                                                if "dev" in record else None))
         progress.history.append(record)
         if progress.best is None or dev_f1 > progress.best["f1"]:
             progress.best = {"epoch": record["epoch"], "f1": dev_f1, "dev": record.get("dev")}
@@ -608,7 +625,8 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "params": count_parameters(self.model),
             "device": device_name(self.device), "world_size": self.process.world_size,
-            "torch": torch.__version__, "git_commit": self.commit,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": self.commit,
+            "complete": self._finished_all(),
             "data_digests": self.data.digests, "config": cfg.to_dict(),
             "history": progress.history,
             **({"analysis": self.analysis} if self.analysis is not None else {}),
@@ -629,11 +647,16 @@ def load_data(cfg: TrainConfig):
     return load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline, **limits)
 
 
-def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None) -> dict:
+def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None,
+          deadline: float | None = None) -> dict:
     """Train per ``cfg`` into directory ``out`` (continuing its checkpoint if ``resume``) and
-    return the metrics. ``data`` defaults to :func:`load_data`; under ``torchrun`` this joins
-    the process group (NCCL on CUDA, Gloo on CPU)."""
+    return the metrics (``complete`` is false when ``deadline``, a ``time.time()``, stopped the
+    run first: it then resumes from its checkpoint). ``data`` defaults to :func:`load_data`;
+    under ``torchrun`` this joins the process group (NCCL on CUDA, Gloo on CPU)."""
     process = Process.from_env()
+    if deadline is not None and process.world_size > 1:
+        raise UserError("a deadline stops single-process runs only (processes would disagree "
+                        "on the step to stop at)")
     device = resolve_device(cfg.device, process.local_rank)
     joined = process.world_size > 1 and not dist.is_initialized()
     if joined:
@@ -643,7 +666,7 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None)
         if device.type == "cpu":
             torch.use_deterministic_algorithms(True)
         data = data if data is not None else load_data(cfg)
-        trainer = Trainer(cfg, Path(out), data, process, device)
+        trainer = Trainer(cfg, Path(out), data, process, device, deadline)
         trainer.start(resume)
         return trainer.fit()
     finally:
@@ -653,16 +676,25 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None)
 
 def train_cli(args) -> dict:
     """``python -m mrc_lib train``: a new run from a profile, or ``--resume`` of the run in
-    ``--out`` (its ``config.json``, with ``--config``/``--set`` applied on top)."""
+    ``--out`` (its ``config.json``, with ``--config``/``--set`` applied on top). With
+    ``--record PATH`` a finished run also writes its record (:mod:`mrc_lib.records`) there."""
+    from mrc_lib import records
+
     out = Path(args.out)
     if not args.resume:
         cfg = resolve_config(args.model, args.dataset, args.profile, args.config,
                              args.overrides)
-        return train(cfg, out)
-    saved = _read_json(out / "config.json", "run configuration")
-    if saved.get("model") != args.model:
-        raise UserError(f"{out} is a run of model {saved.get('model')!r}, not {args.model!r}")
-    return train(apply_overrides(saved, args.config, args.overrides), out, resume=True)
+    else:
+        saved = _read_json(out / "config.json", "run configuration")
+        if saved.get("model") != args.model:
+            raise UserError(f"{out} is a run of model {saved.get('model')!r}, not "
+                            f"{args.model!r}")
+        cfg = apply_overrides(saved, args.config, args.overrides)
+    metrics = train(cfg, out, resume=args.resume)
+    if args.record and metrics["complete"] and Process.from_env().is_main:
+        records.write_record(args.record, records.make_record(
+            metrics, chapter=args.chapter, run=args.run or out.name, log_path=out / "log.jsonl"))
+    return metrics
 
 
 # --- prediction --------------------------------------------------------------------------------

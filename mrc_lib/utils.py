@@ -47,14 +47,49 @@ def file_digest(path, algo: str = "sha256", chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def git_commit(cwd=None) -> str | None:
-    """The current git commit of the project (with ``-dirty`` if uncommitted changes)."""
+def _git(cwd, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _notebook_sources(text: str) -> list[tuple[str, str]]:
+    """A notebook's cells without their outputs: what a change to it can change."""
+    return [(c["cell_type"], "".join(c["source"])) for c in json.loads(text)["cells"]]
+
+
+def _differs(cwd, path: str) -> bool:
+    """Whether a tracked file differs from ``HEAD``, notebooks by their cells' sources only."""
+    if not path.endswith(".ipynb"):
+        return True
+    try:
+        return (_notebook_sources(_git(cwd, "show", f"HEAD:{path}"))
+                != _notebook_sources((Path(cwd) / path).read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, subprocess.CalledProcessError):
+        return True
+
+
+def git_state(cwd=None, ignore: tuple[str, ...] = ()) -> dict:
+    """``{"commit": HEAD's sha or None, "dirty": [tracked paths that differ from it]}``.
+
+    Paths under an ``ignore`` prefix do not count, nor notebooks whose only changes are outputs
+    (a reproduction writes both: they are what a run produced, not what it ran).
+    """
     cwd = cwd or Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=cwd, capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        sha = _git(cwd, "rev-parse", "HEAD").strip()
+        changed = _git(cwd, "diff", "HEAD", "--name-only", "--no-renames").split()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return {"commit": None, "dirty": []}
+    return {"commit": sha, "dirty": sorted(p for p in changed
+                                           if not p.startswith(ignore) and _differs(cwd, p))}
+
+
+GENERATED = ("book/",)  # what runs write (results, figures, executed notebooks, records)
+
+
+def git_commit(cwd=None) -> str | None:
+    """The current git commit of the project, with ``-dirty`` if tracked sources differ from
+    it (:data:`GENERATED` outputs and notebooks' outputs excepted; :func:`git_state` says
+    which files)."""
+    state = git_state(cwd, GENERATED)
+    return state["commit"] and state["commit"] + ("-dirty" if state["dirty"] else "")

@@ -1,17 +1,24 @@
 """The generated Reproductions page."""
 
 import json
+import subprocess
 
 from mrc_lib.book import (
+    CONFIG,
+    INSTALL_CELL_MARK,
     PAGE,
     RESULTS_DIR,
     SMOKE_WARNING,
     format_cell,
+    install_cell,
     label,
     markdown_table,
     render_reproductions,
+    repository_url,
+    write_install_cells,
     write_reproductions,
 )
+from mrc_lib.utils import git_commit, git_state
 
 
 def result(name: str, profile: str) -> dict:
@@ -60,7 +67,7 @@ def test_tables_show_paper_columns_and_dataset(tmp_path):
     page = render_reproductions(write_results(tmp_path, result("01_a", "full")))
     assert "| Model | EM | EM (paper) | F1 |\n| --- | ---: | ---: | ---: |" in page
     assert "| BiDAF | 41.25 | 67.7 | 52 |" in page and "| QANet | 45 | — | 56.5 |" in page
-    assert ("**Table 4** (the paper's numbering). Single model. Ours: SQuAD v1.1 dev, full-scale. "
+    assert ("**Table 4 (the paper's numbering).** Single model. Ours: SQuAD v1.1 dev, full-scale. "
             "Paper's numbers reported by Seo et al. (2017): EM (paper).") in page
     assert ":::{image} figures/01_a_figure5a.png" in page
     assert "- Trained on a subset." in page
@@ -85,10 +92,124 @@ def test_page_says_it_is_generated_and_handles_no_results(tmp_path):
 def test_cells_and_labels():
     assert [format_cell(v) for v in (None, 3, 67.7, 0.00123, 12345.6, "a|b")] == \
         ["—", "3", "67.7", "0.00123", "12346", "a\\|b"]
-    assert label("table4") == "Table 4" and label("figure5a") == "Figure 5a"
+    assert label("table4") == "Table 4 (the paper's numbering)"
+    assert label("figure5a") == "Figure 5a (the paper's numbering)"
+    assert label("table3_ensemble") == "Table 3, ensemble (the paper's numbering)"
+
+
+def test_our_figures_get_plain_titles_never_a_paper_number(tmp_path):
+    r = result("01_a", "full")
+    r["figures"]["figure_question_types"] = "figures/01_a_figure_question_types.png"
+    r["tables"]["table_readings"] = r["tables"]["table4"]
+    page = render_reproductions(write_results(tmp_path, r))
+    assert "**Question types**, ours: full-scale." in page
+    assert "**Readings.** Single model." in page
+    assert "**Figure 5a (the paper's numbering)**, ours: full-scale." in page
+    assert "Figure _" not in page and "Table _" not in page
+    assert label("figure_lengths") == "Lengths"
+
+
+def test_tables_computed_on_full_data_are_labelled_by_it(tmp_path):
+    """A chapter whose tables and figures do the same work at every profile (chapter 00) says
+    what data each used, and gets no smoke warning."""
+    r = result("00_a", "smoke")
+    r["tables"]["table4"]["scale"] = "full SQuAD v1.1 dev"
+    r["figure_scales"] = {"figure5a": "full SQuAD v1.1 train and dev"}
+    page = render_reproductions(write_results(tmp_path, r))
+    assert SMOKE_WARNING not in page and "smoke-scale" not in page
+    assert "Ours: SQuAD v1.1 dev, computed on full SQuAD v1.1 dev (the same at every profile)" \
+        in page
+    assert "ours: computed on full SQuAD v1.1 train and dev" in page
+    del r["figure_scales"]  # one smoke-scale figure: the chapter is smoke-scale again
+    page = render_reproductions(write_results(tmp_path, r))
+    assert SMOKE_WARNING in page and "Figure 5a (the paper's numbering)**, ours: smoke" in page
+
+
+def test_commit_and_the_files_that_differed_are_shown(tmp_path):
+    r = result("01_a", "full")
+    r["metadata"]["dirty"] = ["mrc_lib/train.py"]
+    page = render_reproductions(write_results(tmp_path, r))
+    assert "- **Commit:** `abc123`, with uncommitted changes to `mrc_lib/train.py`" in page
+    r["metadata"]["dirty"] = []
+    assert "- **Commit:** `abc123`\n" in render_reproductions(write_results(tmp_path, r))
     assert markdown_table(["x", "y"], [["a", 1]]) == "| x | y |\n| --- | ---: |\n| a | 1 |"
 
 
 def test_committed_page_is_generated_from_committed_results():
     """A hand edit of book/reproductions.md (or a stale page) fails here."""
     assert PAGE.read_text(encoding="utf-8") == render_reproductions(RESULTS_DIR)
+
+
+def git(repo, *args):
+    subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=repo,
+                   check=True, capture_output=True)
+
+
+def test_git_state_names_the_files_that_differ_outputs_excepted(tmp_path):
+    """A reproduction rewrites book/ and the notebooks' outputs: neither makes a run dirty; a
+    changed source (code, or a notebook cell's source) does, by name."""
+    nb = {"cells": [{"cell_type": "code", "source": ["x = 1"], "outputs": []}]}
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "book").mkdir()
+    (tmp_path / "notebooks/a.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "book/a.json").write_text("{}")
+    (tmp_path / "lib.py").write_text("x = 1\n")
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "init")
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                         text=True).stdout.strip()
+    assert git_state(tmp_path, ignore=("book/",)) == {"commit": sha, "dirty": []}
+    nb["cells"][0]["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["1"]}]
+    (tmp_path / "notebooks/a.ipynb").write_text(json.dumps(nb, indent=1))
+    (tmp_path / "book/a.json").write_text('{"new": 1}')
+    (tmp_path / "untracked.py").write_text("")
+    assert git_state(tmp_path, ignore=("book/",)) == {"commit": sha, "dirty": []}
+    assert git_commit(tmp_path) == sha  # outputs alone leave a run's commit clean
+    nb["cells"][0]["source"] = ["x = 2"]
+    (tmp_path / "notebooks/a.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "lib.py").write_text("x = 2\n")
+    assert git_state(tmp_path, ignore=("book/",))["dirty"] == ["lib.py", "notebooks/a.ipynb"]
+    assert git_commit(tmp_path) == sha + "-dirty"
+    assert git_state(tmp_path / "nowhere") == {"commit": None, "dirty": []}
+
+
+def test_install_cells_carry_the_one_repository_setting(tmp_path):
+    config = tmp_path / "_config.yml"
+    config.write_text("title: x\nrepository:\n  url: https://example.org/r\n  branch: main\n")
+    assert repository_url(config) == "https://example.org/r"
+    config.write_text("title: x\n")
+    assert repository_url(config) is None
+    cell = install_cell("https://example.org/r")
+    assert cell.startswith(INSTALL_CELL_MARK) and 'REPOSITORY = "https://example.org/r"' in cell
+    assert "pip install -e ." in install_cell(None) and "git+" not in install_cell(None)
+    for source in (cell, install_cell(None)):
+        compile(source, "cell", "exec")
+    nb = {"cells": [{"cell_type": "code", "source": ["x = 1"]},
+                    {"cell_type": "code", "source": [INSTALL_CELL_MARK + "\nold"]}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    (tmp_path / "a.ipynb").write_text(json.dumps(nb))
+    assert write_install_cells(tmp_path, "https://example.org/r") == [tmp_path / "a.ipynb"]
+    cells = json.loads((tmp_path / "a.ipynb").read_text())["cells"]
+    assert "".join(cells[1]["source"]) == cell and cells[0]["source"] == ["x = 1"]
+    assert write_install_cells(tmp_path, "https://example.org/r") == []  # already current
+
+
+def test_book_config_builds_without_the_repository():
+    """jupyter-book refuses a repository button without a URL: deleting the setting must leave
+    a configuration it accepts."""
+    import yaml
+    from jupyter_book.config import yaml_to_sphinx
+
+    settings = yaml.safe_load(CONFIG.read_text())
+    assert repository_url() == settings["repository"]["url"]
+    del settings["repository"]
+    yaml_to_sphinx(settings)  # raises on a repository or issues button without a URL
+
+
+def test_my_notebooks_have_the_current_install_cell():
+    from mrc_lib.book import NOTEBOOKS_DIR
+
+    for name in ("00_data", "07_comparison"):
+        cells = json.loads((NOTEBOOKS_DIR / f"{name}.ipynb").read_text())["cells"]
+        assert install_cell(repository_url()) in ["".join(c["source"]) for c in cells]

@@ -13,7 +13,7 @@ def test_help_lists_commands():
     out = subprocess.run([sys.executable, "-m", "mrc_lib", "--help"], capture_output=True,
                          text=True, check=True).stdout
     for command in ("validate", "evaluate", "prepare", "stats", "download", "train", "predict",
-                    "bench", "reproduce"):
+                    "bench", "reproduce", "queue"):
         assert command in out
 
 
@@ -41,3 +41,23 @@ def test_evaluate_bad_prediction_file(tmp_path, capsys):
 def test_unknown_source_is_a_user_error(capsys):
     assert main(["download", "no-such-dataset"]) == 2
     assert "no-such-dataset" in capsys.readouterr().err
+
+
+def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_bringup.py"
+    spec = importlib.util.spec_from_file_location("gpu_bringup", path)
+    bringup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bringup)
+    out = tmp_path / "gpu.json"
+    result = bringup.main(["--device", "cpu", "--tiny", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert set(result["models"]) == set(bringup.readers()) and result["tiny"]
+    assert {"bidaf", "qanet", "rnet", "decaprop", "dynsan", "phasecond"} <= set(result["models"])
+    for name, m in result["models"].items():
+        assert "error" not in m, (name, m.get("error"))
+        speed = m["speed"]["16"]
+        assert speed["train_examples_per_s"] > 0 and speed["infer_examples_per_s"] > 0
+        assert m["epoch_seconds"] == speed["epoch_seconds"] > 0 and m["peak_memory_bytes"] > 0

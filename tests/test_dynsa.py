@@ -1,6 +1,7 @@
 """DynSA (Zhuang & Wang 2019, Eqs. 1-6) against direct computations, and the DynSAN reader."""
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -8,9 +9,16 @@ import torch
 
 from mrc_lib.bench import SyntheticVocab, synthetic_batch
 from mrc_lib.models import build_model
-from mrc_lib.models.dynsa import DynSA, select_tokens, sparse_attention
-from mrc_lib.models.dynsan import PassageLayout
-from mrc_lib.nn import span_loss
+from mrc_lib.models.bibosa import BiBloSABlock
+from mrc_lib.models.dynsa import DynSA, select_tokens
+from mrc_lib.models.dynsan import PassageLayout, has_loss
+from mrc_lib.models.dynsan_mc import (
+    ClozePassages,
+    DynSANMC,
+    candidate_log_probs,
+    evaluate_mc,
+    with_candidate_feature,
+)
 from mrc_lib.train import reader_loss
 from tests.test_models import make_batch, tiny_vocab
 
@@ -26,25 +34,29 @@ def inputs():
 
 
 def direct_dynsa(block: DynSA, x, mask, chosen_sets):
-    """Eqs. 1-5 token by token: attention among ``chosen_sets[b][h]`` (real positions)."""
+    """Eqs. 1-5 token by token from the block's own parameters: attention among
+    ``chosen_sets[b][h]`` (real positions)."""
     u = block.local_encoder(x, mask)
-    f = block.f_u(block.norm(u))
     d = D // H
     y = torch.zeros_like(x)
     for b in range(B):
         n = int(mask[b].sum())
-        g = torch.sigmoid(block.f_g(f[b, :n]))  # Eq. 1: [n, H]
+        f_u = torch.relu(u[b, :n] @ block.f_u.weight.T + block.f_u.bias)  # F^U(U)
+        g = torch.sigmoid(f_u @ block.f_g.weight.T + block.f_g.bias)  # Eq. 1: [n, H]
         z = []
         for h in range(H):
-            f_h = f[b, :n, h * d:(h + 1) * d]
-            a_h = torch.zeros_like(f_h)
+            # Eq. 4: F_h = F^H_h(F^U_h(U)), F^U_h(U) = head h's columns of F^U(U)
+            f_h = f_u[:, h * d:(h + 1) * d] @ block.f_h.weight[h] + block.f_h.bias[h]
+            a_h = torch.zeros_like(f_h)  # A*_h: zero at the unchosen positions
             idx = sorted(chosen_sets[b][h])
-            for t in idx:  # Eq. 2 for each chosen token
-                weights = torch.softmax(torch.stack([f_h[t] @ f_h[s] for s in idx]) / math.sqrt(d),
-                                        0)
-                a_h[t] = sum(w * f_h[s] for w, s in zip(weights, idx))
-            z.append((f_h + a_h) * (g[:, h] / g[:, h].max()).unsqueeze(-1))  # Eqs. 3-4
-        y[b, :n] = block.f_y(torch.cat(z, dim=-1)) + u[b, :n]  # Eq. 5
+            for t in idx:  # Eq. 2 for each chosen token: Q_h, K_h, V_h from U_h
+                q = u[b, t] @ block.w_q.weight[h]
+                keys = [u[b, s] @ block.w_k.weight[h] for s in idx]
+                values = [u[b, s] @ block.w_v.weight[h] for s in idx]
+                weights = torch.softmax(torch.stack([q @ k for k in keys]) / math.sqrt(D / H), 0)
+                a_h[t] = sum(w * v for w, v in zip(weights, values))
+            z.append((f_h + a_h) * (g[:, h] / g[:, h].max()).unsqueeze(-1))  # Eq. 3
+        y[b, :n] = torch.cat(z, dim=-1) @ block.f_y.weight.T + u[b, :n]  # Eq. 5
     return y
 
 
@@ -71,6 +83,29 @@ def test_small_k_attends_among_the_top_k_gates(inputs):
     torch.testing.assert_close(y, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_eq2_scores_are_not_symmetric(inputs):
+    """Query and key are different projections of U_h (Eq. 2), so token i's score for j is not
+    j's score for i."""
+    x, mask = inputs
+    block = DynSA(D, heads=H, top_k=L).eval()
+    with torch.no_grad():
+        u = block.local_encoder(x, mask)[0, :5]
+        scores = (u @ block.w_q.weight[0]) @ (u @ block.w_k.weight[0]).T
+    assert not torch.allclose(scores, scores.T)
+
+
+def test_local_encoder_is_conv_of_layer_norm_plus_input(inputs):
+    """Sec. 2.1: U = Conv(LN(X)) + X, twice."""
+    x, mask = inputs
+    block = DynSA(D, heads=H).eval()
+    with torch.no_grad():
+        expected = x
+        for conv, norm in zip(block.local.convs, block.local.norms):
+            expected = expected + conv(norm(expected), mask)
+        torch.testing.assert_close(block.local_encoder(x, mask), expected)
+    assert len(block.local.convs) == 2
+
+
 def test_selection_is_brute_force_top_k_and_never_padding():
     torch.manual_seed(1)
     scores = torch.rand(B, H, L)
@@ -87,7 +122,7 @@ def test_selection_is_brute_force_top_k_and_never_padding():
                 assert len(set(index[b, h].tolist())) == index.shape[-1]  # no repeats
 
 
-def test_sparse_attention_never_builds_l_by_l(monkeypatch):
+def test_attention_never_builds_l_by_l(monkeypatch):
     seen = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -96,13 +131,15 @@ def test_sparse_attention_never_builds_l_by_l(monkeypatch):
         return sdpa(q, k, v, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    f = torch.randn(2, H, 50, 4)
+    block = DynSA(8, heads=2, top_k=5).eval()
     mask = torch.ones(2, 50, dtype=torch.bool)
-    index, chosen = select_tokens(torch.rand(2, H, 50), mask, 5)
-    a = sparse_attention(f, index, chosen)
-    assert seen == [(2, H, 5, 4)]
-    unchosen = torch.ones(2, H, 50, dtype=torch.bool).scatter(2, index, False)
-    assert (a[unchosen] == 0).all()
+    with torch.no_grad():
+        y, g = block(torch.randn(2, 50, 8), mask)
+        a = block.attend(torch.randn(2, 50, 8), g.transpose(1, 2), mask)
+    assert seen == [(2, 2, 5, 4)] * 2
+    index, _ = select_tokens(g.transpose(1, 2), mask, 5)
+    unchosen = torch.ones(2, 2, 50, dtype=torch.bool).scatter(2, index, False)
+    assert (a[unchosen] == 0).all() and (a[~unchosen] != 0).any()
 
 
 def test_padding_does_not_change_real_outputs(inputs):
@@ -127,17 +164,44 @@ def test_gradients_reach_the_gate(inputs, switches):
     assert x.grad[~mask].abs().sum() == 0  # nothing flows from padding
 
 
-def test_without_gate_scaling_only_the_penalty_trains_the_gate(inputs):
+def test_ablation_switches_remove_what_table3_removes(inputs, monkeypatch):
+    """(b) no self-attention: no attention call and no Q/K/V; (c) no convolutions; (d) the K
+    tokens are drawn at random, not by the gate; (e) on top of (d), no gate at all."""
     x, mask = inputs
-    block = DynSA(D, heads=H, top_k=3, gate_scaling=False).train()
-    y, _ = block(x, mask)
-    y.square().sum().backward()
-    assert block.f_g.weight.grad is None or block.f_g.weight.grad.abs().sum() == 0
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
+    no_attention = DynSA(D, heads=H, top_k=3, attention=False).eval()
+    no_attention(x, mask)
+    assert calls == [] and not hasattr(no_attention, "w_q")
+    with torch.no_grad():  # (b) is Eq. 3 with A*_h = 0
+        u = no_attention.local_encoder(x, mask)
+        f_u = torch.relu(no_attention.f_u(u))
+        g = no_attention.gate(f_u, mask)
+        f_h = no_attention.f_h(f_u.view(B, L, H, -1).transpose(1, 2))
+        z = f_h * (g / g.amax(1, keepdim=True)).transpose(1, 2).unsqueeze(-1)
+        expected = (no_attention.f_y(z.transpose(1, 2).reshape(B, L, D)) + u) * mask[..., None]
+        torch.testing.assert_close(no_attention(x, mask)[0], expected)
+    assert len(DynSA(D, heads=H, conv=False).local.convs) == 0
+    torch.testing.assert_close(DynSA(D, heads=H, conv=False).local_encoder(x, mask), x)
+    picked = []
+    random_block = DynSA(D, heads=H, top_k=3, selection="random").eval()
+    monkeypatch.setattr(random_block, "attend",
+                        lambda u, scores, m: picked.append(scores) or torch.zeros(B, H, L, D // H))
+    _, g = random_block(x, mask)
+    assert not torch.equal(picked[0], g.transpose(1, 2))  # not the gate's ranking
+    no_gate = DynSA(D, heads=H, top_k=3, selection="random", gate=False).eval()
+    y, g = no_gate(x, mask)
+    assert g is None and no_gate.f_g is None and y.shape == x.shape
+    with pytest.raises(ValueError):
+        DynSA(D, heads=H, gate=False)  # a gate-less block cannot select by the gate
 
 
 def test_l1_penalty_is_the_aux_loss_the_trainer_adds():
-    """Eq. 6: in training the reader returns β‖G‖₁ over every DynSA gate (question side
-    included), averaged over the batch, and ``reader_loss`` adds it to the span loss."""
+    """Eq. 6: in training the reader returns β‖G‖₁ over every DynSA gate (question side and
+    end block included), averaged over the batch, and ``reader_loss`` adds it to the reader's
+    own loss; (f) β = 0 and (e) no gate drop it."""
     torch.manual_seed(0)
     model = build_model("dynsan", tiny_vocab(), **{**TINY, "beta": 0.3}).train()
     batch = make_batch(c_lens=[16, 12], q_lens=[5, 4])
@@ -147,12 +211,55 @@ def test_l1_penalty_is_the_aux_loss_the_trainer_adds():
             m.register_forward_hook(lambda mod, args, out: seen.append(out[1]))
     out = model(batch)
     expected = 0.3 * sum(g.sum() for g in seen) / 2
-    assert len(seen) >= 2 + TINY.get("num_blocks", 4)  # question, passages, aligned, blocks
+    assert len(seen) == 2 + 1 + TINY["num_blocks"] + 1  # passages, question, aligned, N, end
     torch.testing.assert_close(out["aux_loss"], expected)
-    span = span_loss(out["start_logits"], out["end_logits"], batch["y1"], batch["y2"])
-    torch.testing.assert_close(reader_loss(out, batch), span + out["aux_loss"])
+    torch.testing.assert_close(reader_loss(out, batch), out["loss"] + out["aux_loss"])
     assert "aux_loss" not in model.eval()(batch)
     assert "aux_loss" not in build_model("dynsan", tiny_vocab(), **{**TINY, "beta": 0.0})(batch)
+    no_gate = build_model("dynsan", tiny_vocab(), **{**TINY, "selection": "random",
+                                                     "gate": False}).train()
+    assert "aux_loss" not in no_gate(batch) and "gates" not in no_gate(batch)
+
+
+def test_has_loss_sums_over_every_occurrence():
+    """Sec. 3.4.1: −log Σ_{(i,j) ∈ T} p^s_i p^e_j, by hand."""
+    torch.manual_seed(0)
+    start, end = torch.randn(2, 9), torch.randn(2, 9)
+    occ_start = torch.tensor([[1, 5, -1], [2, -1, -1]])
+    occ_end = torch.tensor([[2, 6, -1], [4, -1, -1]])
+    p_s, p_e = start.softmax(-1), end.softmax(-1)
+    expected = -(torch.log(p_s[0, 1] * p_e[0, 2] + p_s[0, 5] * p_e[0, 6])
+                 + torch.log(p_s[1, 2] * p_e[1, 4])) / 2
+    torch.testing.assert_close(has_loss(start, end, occ_start, occ_end), expected)
+    unaligned = torch.tensor([[-1, -1, -1]])  # a third example without any occurrence
+    torch.testing.assert_close(has_loss(torch.cat([start, start[:1]]), torch.cat([end, end[:1]]),
+                                        torch.cat([occ_start, unaligned]),
+                                        torch.cat([occ_end, unaligned])), expected)
+
+
+def test_reader_loss_uses_the_batch_occurrences_and_the_end_follows_the_start():
+    torch.manual_seed(0)
+    model = build_model("dynsan", tiny_vocab(), **TINY).train()
+    batch = make_batch(c_lens=[16, 12], q_lens=[5, 4])
+    batch["occ_start"] = torch.stack([batch["y1"], torch.tensor([0, -1])], 1)
+    batch["occ_end"] = torch.stack([batch["y2"], torch.tensor([1, -1])], 1)
+    torch.manual_seed(1)
+    out = model(batch)
+    expected = has_loss(out["start_logits"], out["end_logits"], batch["occ_start"],
+                        batch["occ_end"])
+    torch.testing.assert_close(out["loss"], expected)
+    model.eval()
+    with torch.no_grad():
+        before = model(batch)["end_logits"]
+        model.w_s.weight.add_(1.0)  # only the start pointer changes...
+        after = model(batch)["end_logits"]
+    assert not torch.allclose(before, after)  # ...and the end pointer follows it
+
+
+def test_word_vectors_are_fixed_by_default():
+    assert not build_model("dynsan", tiny_vocab(), **TINY).embed.word.trainable.requires_grad
+    trained = build_model("dynsan", tiny_vocab(), **TINY, fixed_words=False)
+    assert trained.embed.word.trainable.requires_grad
 
 
 def test_passage_layout_split_and_merge():
@@ -195,7 +302,7 @@ def test_cross_passage_attention_links_passages(multi_batch, cross):
     assert first_passage_same != cross
 
 
-@pytest.mark.parametrize("block", ["dynsa", "bilstm", "fullsan"])
+@pytest.mark.parametrize("block", ["dynsa", "bilstm", "fullsan", "bibosa"])
 def test_reader_blocks_train(multi_batch, block):
     vocab, batch = multi_batch
     model = small_reader(vocab, block=block).train()
@@ -203,9 +310,62 @@ def test_reader_blocks_train(multi_batch, block):
     assert out["start_logits"].shape == out["end_logits"].shape == (2, 30)
     assert ("gates" in out) == (block == "dynsa")
     if block == "dynsa":
-        assert out["gates"].shape == (2, 2 + 2, 30, 2)  # encoder, aligned, N = 2 blocks
-    (out["start_logits"].logsumexp(-1) - out["start_logits"][:, 3]).sum().backward()
-    assert all(p.grad is not None for n, p in model.named_parameters() if "blocks.1" in n)
+        assert out["gates"].shape == (2, 2 + 2, 30, 2)  # layers -1, 0 and N = 2 blocks
+    reader_loss(out, batch).backward()
+    for part in ("blocks.1", "end_block"):
+        assert all(p.grad is not None for n, p in model.named_parameters() if part in n)
+
+
+@pytest.mark.parametrize(("hparams", "kind", "convs"), [
+    ({"block": "bibosa", "conv": False}, BiBloSABlock, 0),  # Table 3 (g), Table 4 Bi-BloSAN
+    ({"block": "bibosa"}, BiBloSABlock, 2),  # Table 3 (h): (g) + convolutional layers
+    ({"conv": False}, DynSA, 0),  # Table 3 (c)
+])
+def test_reader_block_rows(multi_batch, hparams, kind, convs):
+    model = small_reader(multi_batch[0], **hparams)
+    blocks = [model.encoder, model.aligned, *model.blocks, model.end_block]
+    assert all(isinstance(b, kind) and len(b.local.convs) == convs for b in blocks)
+
+
+class FakeSplit:
+    """The part of a dev split that ``analysis`` reads."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self):
+        return len(self.batch["c_words"])
+
+    def collate(self, pos):
+        return {k: v[torch.as_tensor(pos)] for k, v in self.batch.items()}
+
+    def question(self, i):
+        return f"question {i}"
+
+    def tokens(self, i, side="c"):
+        return [f"w{t}" for t in range(int(self.batch["c_mask"][i].sum()))]
+
+
+def test_analysis_is_figures_3_and_4_from_max_gate_over_heads(multi_batch):
+    """Activity = max over heads; Figure 4 counts per layer (-1, 0, 1..N), Figure 3 sums the
+    cross-passage layers' activities."""
+    vocab, batch = multi_batch
+    torch.manual_seed(0)
+    model = small_reader(vocab)
+    payload = model.analysis(FakeSplit(batch))
+    with torch.no_grad():
+        activity = model(batch)["gates"].amax(-1)  # [2, layers, 30]
+    assert payload["layers"] == [-1, 0, 1, 2]
+    bands = torch.stack([activity <= 0.01, (activity > 0.01) & (activity < 0.99),
+                         activity >= 0.99], -1).sum((0, 2))
+    assert payload["figure4a"] == bands.tolist()
+    torch.testing.assert_close(torch.tensor(payload["figure4b"]),
+                               (activity > 0.01).sum((0, 2)).float() / 2)
+    case = payload["figure3"][0]
+    torch.testing.assert_close(torch.tensor(case["score"]), activity[0, 2:].sum(0),
+                               atol=1e-4, rtol=0)
+    assert len(payload["figure3"]) == 2 and case["passage"] == batch["c_passage"][0].tolist()
+    assert small_reader(vocab, block="bilstm").analysis(FakeSplit(batch)) == {}
 
 
 TINY = dict(d_model=16, heads=2, top_k=4, num_blocks=2, kernel_size=3, char_dim=4,
@@ -233,11 +393,49 @@ def test_reader_overfits_a_tiny_batch():
     batch = make_batch(c_lens=[16, 12, 14, 10, 16, 9, 13, 15], q_lens=[5, 4, 5, 3, 4, 5, 2, 4])
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     losses = []
-    for _ in range(30):
-        out = model(batch)
-        loss = span_loss(out["start_logits"], out["end_logits"], batch["y1"], batch["y2"])
+    for _ in range(40):  # the HAS loss sums the start and end terms, fixed words: 40 steps
+        loss = reader_loss(model(batch), batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] / 10, losses
+
+
+def test_eqs_7_8_candidate_probability_sums_r_over_mentions():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 6)
+    cand_index = torch.tensor([[0, -1, 1, 0, -1, 2]])
+    r = logits.softmax(-1)  # Eq. 7
+    expected = torch.stack([r[0, 0] + r[0, 3], r[0, 2], r[0, 5], torch.tensor(0.0)]).log()
+    torch.testing.assert_close(candidate_log_probs(logits, cand_index, 4)[0], expected)
+
+
+def test_multiple_choice_reader_on_cloze_passages():
+    """Sentences become passages, the candidate feature marks mentions, and the loss is
+    −log P(answer) (Eq. 8)."""
+    from mrc_lib.data.cloze import ClozeExample
+
+    vocab = SimpleNamespace(word_vectors=np.random.default_rng(0).normal(size=(50, 8)),
+                            n_trainable=3, n_chars=30, word_id=lambda w: len(w) % 49 + 1,
+                            char_ids=lambda w: [ord(c) % 29 + 1 for c in w[:16]])
+    examples = [ClozeExample("anna met bob . bob left . carl stayed".split(),
+                             "XXXXX met bob".split(), "anna", ["anna", "bob", "carl"]),
+                ClozeExample("dora ran . eve sat".split(), "XXXXX sat".split(), "eve",
+                             ["dora", "eve"])]
+    split = ClozePassages(examples, vocab)
+    batch = split.collate(np.arange(2))
+    assert batch["c_passage"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2]
+    assert batch["cand_index"][0].tolist() == [0, -1, 1, -1, 1, -1, -1, 2, -1]
+    assert batch["c_feats"][1, :, 0].tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0]
+    assert batch["answer"].tolist() == [0, 1] and batch["cand_mask"][1].tolist() == [1, 1, 0]
+    torch.manual_seed(0)
+    model = DynSANMC(with_candidate_feature(vocab), **TINY).train()
+    out = model(batch)
+    log_p = out["candidate_log_probs"]
+    torch.testing.assert_close(out["loss"], -(log_p[0, 0] + log_p[1, 1]) / 2)
+    assert torch.isinf(log_p[1, 2])  # a padding candidate
+    assert log_p[0].exp().sum() < 1  # Eq. 8: r also sits on tokens that are no candidate
+    reader_loss(out, batch).backward()
+    assert model.f_s.weight.grad.abs().sum() > 0
+    assert evaluate_mc(model, split, 2, torch.device("cpu"))["questions"] == 2

@@ -1,18 +1,23 @@
 """EA Reader: each equation recomputed directly on tiny tensors, padding, gradients, training."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from mrc_lib.data.cloze import StringTable, encode_examples
+from mrc_lib.data.cloze import ReaderSplit, StringTable, encode_examples
 from mrc_lib.errors import UserError
 from mrc_lib.models.cloze_train import ClozeConfig, train_cloze
 from mrc_lib.models.ea_reader import (
     MSCF,
     EAReader,
     MemoryWrite,
-    candidate_logits,
     cloze_loss,
+    occurrences,
+    pointer_sum,
+    predict,
+    restrict,
 )
 from tests.test_cloze import make_examples, synthetic_article
 
@@ -21,40 +26,56 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(x) / torch.exp(x).sum()
 
 
-def direct_mscf(mscf: MSCF, D: torch.Tensor, q: torch.Tensor, n: int, bitwise: bool):
-    """Eqs. 2, 5-7 for one example with ``n`` real tokens, token by token and feature by
+def direct_mscf(mscf: MSCF, D: torch.Tensor, q: torch.Tensor, n: int, scoring: str):
+    """Eqs. 2-7 for one example with ``n`` real tokens, token by token and feature by
     feature."""
     L, k = mscf.L, mscf.k
-    W_d, W_q = mscf.project_d.weight, mscf.project_q.weight
     contexts, maps = [], []
     for l in range(L):
         rows = slice(l * k, (l + 1) * k)
-        d_l = [W_d[rows] @ D[i] for i in range(n)]  # Eq. 2
-        q_l = W_q[rows] @ q
-        if bitwise:
-            W_a = mscf.scores[l].W_a.weight
-            scores = torch.stack([W_a @ torch.tanh(d * q_l) for d in d_l])  # [n, k]
-        else:  # bilinear: d^T W q, one score per token
-            W = mscf.scores[l].similarity.W.weight
-            scores = torch.stack([(d @ (W @ q_l)).expand(k) for d in d_l])
-        A = torch.stack([softmax(scores[:, f]) for f in range(k)], dim=1)  # Eq. 5, per feature
-        contexts.append(sum(A[i] * d_l[i] for i in range(n)))  # Eq. 6
+        W_d = (mscf.project_d.weight if isinstance(mscf.project_d, torch.nn.Linear)
+               else torch.eye(L * k))[rows]
+        W_q = (mscf.project_q.weight if isinstance(mscf.project_q, torch.nn.Linear)
+               else torch.eye(L * k))[rows]
+        d_l = [W_d @ D[i] for i in range(n)]  # Eq. 2
+        q_l = W_q @ q
+        values = d_l
+        if scoring == "bitwise":
+            W = mscf.scores[l].W.weight
+            scores = torch.stack([W @ torch.tanh(d * q_l) for d in d_l])  # Eq. 5, [n, k]
+        elif scoring == "bilinear":  # Eq. 3: d^T W_b q, one score per token
+            W_b = mscf.scores[l].similarity.W.weight
+            scores = torch.stack([(d @ (W_b @ q_l)).expand(k) for d in d_l])
+        elif scoring == "additive":  # Eq. 4: w^T tanh(W_1 d + W_2 q)
+            sim = mscf.scores[l].similarity
+            scores = torch.stack([
+                (sim.v.weight @ torch.tanh(sim.W1.weight @ d + sim.W2.weight @ q_l
+                                           + sim.W2.bias)).expand(k) for d in d_l])
+        elif scoring == "dot":  # multiplicative: d^T q
+            scores = torch.stack([(d @ q_l).expand(k) for d in d_l])
+        else:  # multi-head: scaled dot product of query and key, separate values
+            scores = torch.stack([(d @ q_l / k ** 0.5).expand(k) for d in d_l])
+            values = [mscf.project_v.weight[rows] @ D[i] for i in range(n)]
+        A = torch.stack([softmax(scores[:, f]) for f in range(k)], dim=1)  # per feature
+        contexts.append(sum(A[i] * values[i] for i in range(n)))  # Eq. 6
         maps.append(A)
     fuse = mscf.fuse[0]
     o = torch.relu(fuse.weight @ torch.cat(contexts) + fuse.bias)  # Eq. 7
     return o, torch.stack(maps, dim=1)  # [n, L, k]
 
 
-@pytest.mark.parametrize("scoring", ["bitwise", "bilinear"])
-def test_mscf_matches_equations_with_padding(scoring):
+@pytest.mark.parametrize("scoring, projections", [
+    ("bitwise", True), ("bilinear", True), ("additive", True), ("dot", True),
+    ("multihead", True), ("bitwise", False)])
+def test_mscf_matches_equations_with_padding(scoring, projections):
     torch.manual_seed(0)
-    mscf = MSCF(dim=12, subspaces=3, scoring=scoring)
+    mscf = MSCF(dim=12, subspaces=3, scoring=scoring, projections=projections)
     D, q = torch.randn(2, 7, 12), torch.randn(2, 12)
     lengths = [7, 4]
     mask = torch.arange(7)[None] < torch.tensor(lengths)[:, None]
     o, A = mscf(D, q, mask)
     for b, n in enumerate(lengths):
-        o_direct, A_direct = direct_mscf(mscf, D[b], q[b], n, scoring == "bitwise")
+        o_direct, A_direct = direct_mscf(mscf, D[b], q[b], n, scoring)
         assert torch.allclose(o[b], o_direct, atol=1e-5)
         assert torch.allclose(A[b, :n], A_direct, atol=1e-5)
         assert (A[b, n:] == 0).all()
@@ -62,6 +83,15 @@ def test_mscf_matches_equations_with_padding(scoring):
     D_noise = D.clone()
     D_noise[1, 4:] = 100.0
     assert torch.allclose(mscf(D_noise, q, mask)[0], o)
+
+
+def test_multiplicative_and_multihead_differ_from_bilinear():
+    dot, bilinear, multihead = (MSCF(12, 3, s) for s in ("dot", "bilinear", "multihead"))
+    assert not any(n.endswith("W.weight") for n, _ in dot.scores.named_parameters())
+    assert sum(p.numel() for p in bilinear.scores.parameters()) == 3 * 4 * 4
+    assert multihead.project_v is not None and dot.project_v is None
+    assert sum(p.numel() for p in multihead.parameters()) == \
+        sum(p.numel() for p in dot.parameters()) + 12 * 12  # the value projections W_v^l
 
 
 def test_bitwise_attention_differs_per_feature_tokenwise_does_not():
@@ -102,13 +132,14 @@ def test_write_gate_matches_equations():
             assert torch.allclose(out[b, i], expected, atol=1e-6)
 
 
-def test_candidate_scores_sum_attention_over_occurrences():
+def test_pointer_sum_variant_sums_attention_over_occurrences():
     torch.manual_seed(0)
     z = torch.randn(2, 6)
     forms = torch.tensor([[5, 7, 5, 9, 8, 0], [7, 7, 9, 0, 0, 0]])
     mask = forms != 0
     cands = torch.tensor([[5, 7, 9, 4], [7, 9, 5, 0]])  # 4 and 5 (row 1) absent, 0 padding
-    p = torch.softmax(candidate_logits(z, forms, mask, cands), dim=1)
+    occurs = occurrences(forms, mask, cands)
+    p = torch.softmax(restrict(pointer_sum(z, occurs), occurs.any(-1)), dim=1)
     for b in range(2):
         alpha = softmax(z[b, mask[b]])  # attention over real tokens
         mass = torch.stack([alpha[forms[b, mask[b]] == c].sum() if c else torch.tensor(0.0)
@@ -117,12 +148,17 @@ def test_candidate_scores_sum_attention_over_occurrences():
     assert p[0, 3] == 0 and p[1, 2] == 0 and p[1, 3] == 0
 
 
-def test_loss_skips_unreachable_answers():
-    logits = candidate_logits(torch.zeros(2, 3), torch.tensor([[4, 5, 4], [4, 5, 6]]),
-                              torch.ones(2, 3, dtype=torch.bool), torch.tensor([[4, 5], [9, 6]]))
-    loss = cloze_loss(logits, torch.tensor([0, 0]))  # row 1: answer 9 is not in the document
-    assert torch.isfinite(loss)
-    assert torch.allclose(loss, -torch.log(torch.tensor(2 / 3)))
+def test_loss_skips_unreachable_answers_and_is_exact_in_bf16():
+    logits = torch.tensor([[0.0, 0.0, 5.0], [0.0, 1.0, 2.0]])
+    candidates = torch.tensor([[True, True, False], [False, True, True]])
+    loss = cloze_loss(logits, candidates, torch.tensor([0, 0]))  # row 1: answer absent
+    assert torch.allclose(loss, -torch.log(torch.tensor(0.5)))
+    assert cloze_loss(logits[1:], candidates[1:], torch.tensor([0])) == 0  # none reachable
+    # Huge float32 logits (beyond bfloat16's most negative finite value) stay masked exactly.
+    big = torch.tensor([[-1e38, -2e38, 3e38]]).to(torch.bfloat16)
+    scores = restrict(big, torch.tensor([[True, True, False]]))
+    assert scores.dtype == torch.float32 and scores[0, 2] == float("-inf")
+    assert predict({"logits": big, "candidates": torch.tensor([[True, True, False]])}) == 0
 
 
 def tiny_batch(vocab: int = 20, n: int = 9, seed: int = 0) -> dict:
@@ -131,18 +167,41 @@ def tiny_batch(vocab: int = 20, n: int = 9, seed: int = 0) -> dict:
     lengths = torch.tensor([n, 6, 4])
     mask = torch.arange(n)[None] < lengths[:, None]
     forms = forms.masked_fill(~mask, 0)
+    cands = torch.cat([forms[:, :3], torch.tensor([[vocab - 1], [0], [0]])], dim=1)
     return {"doc_words": forms, "doc_forms": forms, "doc_mask": mask,
             "query_words": torch.tensor([[3, 4, 5], [6, 7, 0], [8, 0, 0]]),
             "query_mask": torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]]).bool(),
-            "cand_forms": forms[:, :3], "answer": torch.tensor([0, 1, 2])}
+            "cand_words": cands, "cand_forms": cands, "answer": torch.tensor([0, 1, 2])}
 
 
-def test_multi_hop_composition_shares_weights():
+def test_eq11_answer_from_final_state_by_hand():
     torch.manual_seed(0)
-    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=3).eval()
+    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2).eval()
+    batch = tiny_batch()
+    with torch.no_grad():
+        out = model(batch)
+        _, s_T, _, _ = model.read(batch)
+        W_a = model.embed.weight @ model.P.weight  # [V, 2h]: W_a = E P
+        for b in range(3):
+            present = [int(c) != 0 and bool((batch["doc_forms"][b, batch["doc_mask"][b]]
+                                             == c).any()) for c in batch["cand_forms"][b]]
+            logits = W_a @ s_T[b]  # Eq. 11, over the whole vocabulary
+            rows = [int(w) for w, ok in zip(batch["cand_words"][b], present) if ok]
+            p = softmax(logits[rows])  # restricted to candidates in the document
+            got = torch.softmax(restrict(out["logits"], out["candidates"])[b], dim=0)
+            assert torch.allclose(got[torch.tensor(present)], p, atol=1e-5)
+            assert (got[~torch.tensor(present)] == 0).all()
+    assert out["candidates"][0].tolist()[:3] == [True] * 3
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_multi_hop_composition(share):
+    torch.manual_seed(0)
+    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=3, share_mscf=share).eval()
     one_hop = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=1)
+    mscf_params = sum(p.numel() for p in model.mscf[0].parameters())
     assert sum(p.numel() for p in model.parameters()) == \
-        sum(p.numel() for p in one_hop.parameters())
+        sum(p.numel() for p in one_hop.parameters()) + (0 if share else 2 * mscf_params)
     batch = tiny_batch()
     mask = batch["doc_mask"]
     with torch.no_grad():
@@ -150,15 +209,27 @@ def test_multi_hop_composition_shares_weights():
         M = model.doc_encoder(model.embed(batch["doc_words"]), mask)
         s = model.query_encoder.final_states(model.embed(batch["query_words"]),
                                              batch["query_mask"])
-        for _ in range(3):
-            e, _ = model.mscf(M, s, mask)
-            s = model.W_s.weight @ s.unsqueeze(-1)
-            s = s.squeeze(-1) + e  # Eq. 8
+        for t in range(3):
+            e, _ = model.mscf[0 if share else t](M, s, mask)  # read
+            s = (model.W_s.weight @ s.unsqueeze(-1)).squeeze(-1) + e  # Eq. 8
             M = model.write(M, e, mask)  # Eqs. 9-10
-        z = torch.einsum("bnd,de,be->bn", M, model.W_o.weight, s)
-        logits = candidate_logits(z, batch["doc_forms"], mask, batch["cand_forms"])
+        logits = torch.einsum("bck,kd,bd->bc", model.embed(batch["cand_words"]),
+                              model.P.weight, s)  # Eq. 11
     assert torch.allclose(out["logits"], logits, atol=1e-5)
     assert out["attention"].shape == (3, 3, 9, 2)
+
+
+def test_zeroing_mscf_output_changes_the_prediction():
+    torch.manual_seed(0)
+    model = EAReader(torch.randn(30, 6), hidden=6, subspaces=2, hops=1, write=False).eval()
+    batches = [tiny_batch(vocab=30, seed=s) for s in range(8)]
+    with torch.no_grad():
+        before = torch.cat([predict(model(b)) for b in batches])
+        handle = model.mscf[0].register_forward_hook(
+            lambda module, inputs, output: (torch.zeros_like(output[0]), output[1]))
+        after = torch.cat([predict(model(b)) for b in batches])
+        handle.remove()
+    assert (before != after).any()
 
 
 def test_logits_do_not_depend_on_padding():
@@ -169,40 +240,84 @@ def test_logits_do_not_depend_on_padding():
     for key in ("doc_words", "doc_forms", "doc_mask"):
         wider[key] = torch.cat([batch[key], torch.zeros_like(batch[key][:, :4])], dim=1)
     with torch.no_grad():
-        assert torch.allclose(model(batch)["logits"], model(wider)["logits"], atol=1e-5)
+        a, b = model(batch), model(wider)
+    assert torch.allclose(restrict(a["logits"], a["candidates"]),
+                          restrict(b["logits"], b["candidates"]), atol=1e-5)
 
 
 @pytest.mark.parametrize("hparams", [
     {"scoring": "bitwise", "hops": 2, "write": True},
-    {"scoring": "additive", "hops": 1},
-    {"scoring": "scaled_dot", "hops": 2, "write": False},
-    {"scoring": "bilinear", "subspaces": 1, "fusion": False, "hops": 1},
+    {"scoring": "bitwise", "hops": 2, "write": True, "answer": "pointer_sum"},
+    {"scoring": "bitwise", "hops": 3, "write": True, "share_mscf": True},
+    {"scoring": "bitwise", "hops": 1, "write": False, "projections": False},
+    {"scoring": "additive", "hops": 1, "write": False},
+    {"scoring": "dot", "hops": 1, "write": False},
+    {"scoring": "multihead", "hops": 2, "write": False},
+    {"scoring": "bilinear", "subspaces": 1, "fusion": False, "hops": 1, "write": False,
+     "readout": "context"},
 ])
 def test_gradients_reach_every_parameter(hparams):
     torch.manual_seed(0)
     model = EAReader(torch.randn(20, 6), **{"hidden": 4, "subspaces": 2, **hparams})
     batch = tiny_batch()
-    cloze_loss(model(batch)["logits"], batch["answer"]).backward()
+    out = model(batch)
+    cloze_loss(out["logits"], out["candidates"], batch["answer"]).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
     assert (model.embed.weight.grad[0] == 0).all()  # PAD row
 
 
-def test_training_resumes_exactly(tmp_path):
+def test_stanford_ar_answers_from_its_context_vector():
+    torch.manual_seed(0)
+    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=1, scoring="bilinear",
+                     fusion=False, hops=1, write=False, readout="context").eval()
+    assert model.W_s is None
+    batch = tiny_batch()
+    with torch.no_grad():
+        out = model(batch)
+        D = model.doc_encoder(model.embed(batch["doc_words"]), batch["doc_mask"])
+        q = model.query_encoder.final_states(model.embed(batch["query_words"]),
+                                             batch["query_mask"])
+        o, _ = model.mscf[0](D, q, batch["doc_mask"])
+        logits = torch.einsum("bck,kd,bd->bc", model.embed(batch["cand_words"]),
+                              model.P.weight, o)
+    assert torch.allclose(out["logits"], logits, atol=1e-5)
+
+
+def encoded_sets():
     table = StringTable()
-    sets = {split: encode_examples(make_examples(synthetic_article(12), (0, 0, i), "NE",
-                                                 doc_sentences=8), table)
+    sets = {split: encode_examples(make_examples(synthetic_article(16), (0, 0, i), "NE",
+                                                 stride=1, doc_sentences=8), table)
             for i, split in enumerate(("train", "valid", "test"))}
+    return table, sets
+
+
+def test_analysis_payload_is_small_and_serialisable():
+    table, sets = encoded_sets()
+    model = EAReader(torch.randn(len(table.words), 6), hidden=4, subspaces=2, hops=2).eval()
+    payload = model.analysis(ReaderSplit(sets["valid"], np.arange(len(table.words))))
+    text = json.dumps(payload)
+    assert len(text) < 200_000 and len(payload["examples"]) == 3
+    first = payload["examples"][0]
+    assert len(first["attention"]) == 2 and len(first["attention"][0]) == len(first["tokens"])
+    assert len(first["attention"][0][0]) == 2
+    assert abs(sum(first["probabilities"]) - 1) < 1e-3
+    assert first["answer"] in first["candidates"]
+
+
+def test_training_resumes_exactly(tmp_path):
+    table, sets = encoded_sets()
     word_ids = np.arange(len(table.words))
     vectors = np.random.default_rng(0).normal(size=(len(table.words), 6)).astype(np.float32)
     cfg = ClozeConfig(hparams={"hidden": 4, "subspaces": 2, "hops": 2}, epochs=2,
                       batch_size=2)
-    _, straight = train_cloze(sets, word_ids, vectors, cfg, tmp_path / "a")
+    straight = train_cloze(sets, word_ids, vectors, cfg, tmp_path / "a")
     train_cloze(sets, word_ids, vectors, ClozeConfig(**{**cfg.__dict__, "epochs": 1}),
                 tmp_path / "b")
-    _, resumed = train_cloze(sets, word_ids, vectors, cfg, tmp_path / "b")
+    resumed = train_cloze(sets, word_ids, vectors, cfg, tmp_path / "b")
     assert straight["history"] == resumed["history"] and straight["test"] == resumed["test"]
+    assert straight["analysis"] == resumed["analysis"]
     assert (tmp_path / "a" / "model.pt").is_file() and 0 <= straight["test"] <= 100
     with pytest.raises(UserError, match="lr"):
         train_cloze(sets, word_ids, vectors, ClozeConfig(**{**cfg.__dict__, "lr": 0.1}),

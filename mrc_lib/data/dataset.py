@@ -12,6 +12,8 @@ c_chars        [B, Lc, W]    char ids of each context token
 c_mask         [B, Lc] bool  True at real tokens
 q_words ...    [B, Lq] ...   the same for the question
 c_feats        [B, Lc, 4]    exact match (original, lower-case, lemma), normalized term frequency
+q_feats        [B, Lq, 2]    exact match of each question word in its whole context (original,
+                             lower-case; no lemma: lemmas are not kept in the arrays)
 q_type         [B] long      index into :data:`mrc_lib.data.text.QUESTION_TYPES`
 y1, y2         [B] long      gold start/end token (-1 when unanswerable)
 has_answer     [B] bool
@@ -199,6 +201,7 @@ class Split:
             "q_words": self.forms.word[q_form].astype(np.int64), "q_chars": self._chars(q_form),
             "c_mask": c_mask, "q_mask": q_mask,
             "c_feats": feats.astype(np.float32), "q_type": a["q_type"][ex].astype(np.int64),
+            "q_feats": self._question_match(cid, q_form).astype(np.float32),
             "y1": y[:, 0], "y2": y[:, 1], "has_answer": a["has_answer"][ex] & (y[:, 0] >= 0),
             "idx": pos.astype(np.int64),
         }
@@ -208,6 +211,22 @@ class Split:
                 batch[f"{side}_pos"] = np.where(mask, a[f"{name}_pos"][idx], 0).astype(np.int64)
                 batch[f"{side}_ner"] = np.where(mask, a[f"{name}_ner"][idx], 0).astype(np.int64)
         return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+
+    def _question_match(self, cid: np.ndarray, q_form: np.ndarray) -> np.ndarray:
+        """Does each question word occur in its (whole) context: original form and lower case,
+        ``[B, Lq, 2]``, the question side of the exact-match features (0 at padding)."""
+        lower = getattr(self.forms, "lower_ids", None)  # form id -> id of its lower case
+        if lower is None:  # computed once per form table, shared by its splits and subsets
+            ids: dict[str, int] = {}
+            lower = np.array([ids.setdefault(w.lower(), len(ids)) for w in self.forms.strings],
+                             np.int64)
+            lower[PAD] = -1
+            self.forms.lower_ids = lower
+        c_idx, c_mask = _ragged(self.a["ctx_ptr"][cid], self._ctx_len(cid))
+        c_form = np.where(c_mask, self.a["ctx_form"][c_idx], PAD)
+        match = [(f[:, :, None] == f_c[:, None, :]).any(-1) for f, f_c in
+                 ((q_form, c_form), (lower[q_form], lower[c_form]))]
+        return np.stack(match, -1) & (q_form != PAD)[..., None]
 
     def _chars(self, forms: np.ndarray) -> np.ndarray:
         chars = self.forms.chars[forms]

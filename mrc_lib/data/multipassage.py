@@ -12,7 +12,11 @@ most 5,000 tokens as in the paper. ``M = None`` takes the whole article.
 An example's passages are joined (``"\\n\\n"``) into one SQuAD context, its answers shifted
 into the concatenation, so the whole data pipeline (features, batching, official evaluation)
 applies unchanged. Tokens are those of the prepared paragraphs (no re-tokenization); each token
-also carries its passage index, which batches expose as ``c_passage`` ``[B, Lc]``.
+also carries its passage index, which batches expose as ``c_passage`` ``[B, Lc]``. Every
+occurrence of the gold answer's tokens (lower-cased) anywhere in the example's passages is
+listed too, for DynSAN's loss over all occurrences (Sec. 3.4.1): batches expose them as
+``occ_start``/``occ_end`` ``[B, O]`` (``-1`` past an example's count; the gold span is always
+among them).
 Built splits are cached under ``<cache>/multipassage/``, keyed by the prepared data and the
 options; the build is deterministic.
 """
@@ -36,7 +40,7 @@ from mrc_lib.data.squad import Answer, Example, SquadFile
 from mrc_lib.data.text import Tokens
 from mrc_lib.utils import atomic_path
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 TOKEN_CAP = 5000  # the paper's limit on the total length of an example's passages
 SEPARATOR = "\n\n"
 PASSAGE_COUNTS = (1, 2, 4, 8, None)  # M of Figure 5b; None: all paragraphs of the article
@@ -44,7 +48,8 @@ PASSAGE_COUNTS = (1, 2, 4, 8, None)  # M of Figure 5b; None: all paragraphs of t
 
 class MultiPassageSplit(Split):
     """A :class:`Split` whose batches also hold ``c_passage`` ``[B, Lc]`` (long): the rank
-    position of each token's passage, 0 at padding."""
+    position of each token's passage, 0 at padding; and ``occ_start``/``occ_end`` ``[B, O]``:
+    the token spans of every occurrence of the answer, ``-1``-padded."""
 
     def subset(self, index: np.ndarray) -> MultiPassageSplit:
         return MultiPassageSplit(self.name, self.a, self.text, self.forms,
@@ -58,7 +63,15 @@ class MultiPassageSplit(Split):
         token = np.minimum(start[:, None] + np.arange(mask.shape[1]), len(self.a["ctx_form"]) - 1)
         passage = np.where(mask, self.a["ctx_passage"][token], 0)
         batch["c_passage"] = torch.from_numpy(passage.astype(np.int64))
+        batch["occ_start"], batch["occ_end"] = self._occurrences(self.index[pos])
         return batch
+
+    def _occurrences(self, ex: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = self.a["occ_ptr"][ex], self.a["occ_ptr"][ex + 1]
+        occ = np.full((len(ex), max(int((hi - lo).max(initial=0)), 1), 2), -1, np.int64)
+        for row, (a, b) in enumerate(zip(lo, hi)):
+            occ[row, :b - a] = self.a["occ"][a:b]
+        return torch.from_numpy(occ[..., 0]), torch.from_numpy(occ[..., 1])
 
     def passage_spans(self, i: int) -> list[tuple[int, int]]:
         """Token ranges ``[start, end)`` of example ``i``'s passages, in rank order."""
@@ -123,6 +136,28 @@ def choose_passages(ranked: list[int], gold: int, m: int | None,
 
 
 # --- building ----------------------------------------------------------------------------------
+
+
+def find_occurrences(words: Sequence[str], answer: Sequence[str]) -> list[tuple[int, int]]:
+    """Every ``(start, end)`` token span (inclusive) where ``answer`` occurs in ``words``,
+    compared lower-cased."""
+    words, answer = [w.lower() for w in words], [w.lower() for w in answer]
+    n = len(answer)
+    return [(i, i + n - 1) for i in range(len(words) - n + 1) if n and words[i:i + n] == answer]
+
+
+def answer_occurrences(arrays: dict, contexts: list[Tokens]) -> tuple[np.ndarray, np.ndarray]:
+    """``occ_ptr`` ``[n + 1]`` and ``occ`` ``[total, 2]``: for each example the occurrences of
+    its gold answer span's tokens in its whole context (the gold span itself included)."""
+    spans = []
+    for e, (y1, y2) in enumerate(arrays["y"]):
+        words = contexts[arrays["ex_ctx"][e]].words
+        found = find_occurrences(words, words[y1:y2 + 1]) if y1 >= 0 else []
+        spans.append(found or ([(int(y1), int(y2))] if y1 >= 0 else []))
+    ptr = np.concatenate([[0], np.cumsum([len(f) for f in spans])]).astype(np.int64)
+    occ = np.asarray([o for f in spans for o in f], np.int32).reshape(-1, 2)
+    return ptr, occ
+
 
 
 def _paragraph_tokens(split: Split, cid: int) -> Tokens:
@@ -196,6 +231,7 @@ def build_split(source: Split, vocab, m: int | None, token_cap: int = TOKEN_CAP,
     arrays["gold_position"] = np.asarray(gold_position, np.int32)
     arrays["gold_rank"] = np.asarray(gold_rank, np.int32)
     arrays["article_paragraphs"] = np.asarray(candidates, np.int32)
+    arrays["occ_ptr"], arrays["occ"] = answer_occurrences(arrays, ctx_tokens)
     return MultiPassageSplit(name or source.name, arrays, enc_text, source.forms,
                              question_limit=source.question_limit)
 

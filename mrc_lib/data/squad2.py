@@ -272,6 +272,7 @@ def load_squad2(*, limits: dict[str, int] | None = None, context_limit: int | No
     if context_limit:
         train = train.subset(np.flatnonzero(train.context_lengths() <= context_limit))
     adapt, eval_ = (_load(folder, s, question_limit=question_limit) for s in EVAL_SPLITS)
+    adapt.heldout = eval_  # a reader's analysis(adapt) can score the whole protocol
     return Squad2Data(meta["protocol"], v11.vocab, {"train": train, "dev": adapt}, adapt, eval_,
                       {**v11.digests, **meta["digests"]}, folder, meta)
 
@@ -309,9 +310,10 @@ def _find_built(vocab: str, limits: dict, cache_dir) -> Path | None:
 
 def tuned_scores(model, data: Squad2Data, cfg, device) -> dict:
     """Official SQuAD 2.0 scores on ``eval`` at the no-answer threshold that maximizes F1 on
-    ``adapt``: ``{"threshold", "adapt": {...}, "eval": {...}}`` (``model`` in eval mode)."""
+    ``adapt``: ``{"threshold", "adapt": {...}, "eval": {...}, "answered"}`` (``model`` in eval
+    mode; ``answered``: the % of ``eval`` questions given an answer at that threshold)."""
+    from mrc_lib.inference import predict_spans
     from mrc_lib.metrics import evaluate
-    from mrc_lib.train import predict_spans
 
     def raw(split):
         """Best span text of every question (never empty) and its no-answer probability."""
@@ -322,5 +324,7 @@ def tuned_scores(model, data: Squad2Data, cfg, device) -> dict:
 
     adapt = evaluate(data.adapt.squad_json(), *raw(data.adapt))
     threshold = adapt["best_f1_thresh"]
-    scores = evaluate(data.eval.squad_json(), *raw(data.eval), na_prob_thresh=threshold)
-    return {"threshold": threshold, "adapt": adapt, "eval": scores}
+    preds, na = raw(data.eval)
+    scores = evaluate(data.eval.squad_json(), preds, na, na_prob_thresh=threshold)
+    answered = 100.0 * sum(p <= threshold for p in na.values()) / len(na)  # % given an answer
+    return {"threshold": threshold, "adapt": adapt, "eval": scores, "answered": answered}

@@ -1,61 +1,82 @@
 """Adaptive Bi-directional Attention (Chen, Liu, You, Zhou & Zou, ICASSP 2021).
 
 A reader's encoder turns each word into a stack of representations, from fine (the embedding
-``E``) to coarse (the last encoder layer ``Cⁿ``); the usual attention layer, and so the answer
-layer, sees only the coarsest. ABA gives the answer layer the whole *history of semantics*:
+``E``) to coarse (the last encoder layer ``Cⁿ``); the answer layer usually sees only the
+coarsest. ABA gives the answer layer the whole *history of semantics* (Sec. 2.3):
 
-* ``HOS_p = [E_p; C_p¹; …; C_pⁿ; A]`` and ``HOS_q = [E_q; C_q¹; …; C_qⁿ; A]`` (Eqs. 1-2), where
-  ``A`` is the output of the base reader's attention layer;
-* ``ĤOS = Σ_k λ_k HOS⁽ᵏ⁾`` with one trainable weight per granularity (Eq. 3), initialised so
-  that training starts from the base reader;
-* ``H = dropout(f_attention[ĤOS_p, ĤOS_q])`` with BiDAF's trilinear function; the row softmax
-  ``Ĥ`` gives passage-to-question ``M = Ĥ ĤOS_q``, the column softmax ``H̄`` the DCN-style
-  question-to-passage ``S = Ĥ H̄ᵀ ĤOS_p``, and ``I = [ĤOS_p; M; ĤOS_p ⊙ M; ĤOS_p ⊙ S]``
-  (Eq. 4) takes the place of the base attention's output in the rest of the reader.
+* ``HOS_p = [E_p; C_p¹; …; C_pⁿ; A]`` and ``HOS_q = [E_q; C_q¹; …; C_qⁿ; A]`` (Eqs. 1-2), with
+  ``A`` the output of the attention layer;
+* ``ĤOS_pᵀ = λ^p ⊙ HOS_pᵀ`` and ``ĤOS_qᵀ = λ^q ⊙ HOS_qᵀ`` with two trainable matrices, the
+  first column initialised to ones and the others to zeros (Eq. 3);
+* ``H = dropout(f_attention[ĤOS_p, ĤOS_q])`` with BiDAF's trilinear function (Eq. 4); the row
+  softmax ``Ĥ`` gives ``M = Ĥ · ĤOS_q``, the column softmax ``H̄`` the DCN-style
+  ``S = Ĥ · H̄ᵀ · ĤOS_p``, and ``I = [ĤOS_p; M; ĤOS_p ⊙ M; ĤOS_p ⊙ S]`` is the input of the
+  output layer.
 
-Our reading of the points the paper leaves open
------------------------------------------------
-1. *Order and initialisation.* The paper initialises λ to ``[1, 0, …, 0]`` "so that training
-   starts from the base model", which holds only if the first weighted representation is the
-   one the base attention reads, ``Cⁿ``. We therefore store the stack newest encoder layer
-   first, ``[Cⁿ; …; C¹; E; A]`` (:func:`granularities`); the weighted sum of Eq. 3 does not
-   depend on the order otherwise. At initialisation ``ĤOS_p = C_pⁿ`` and ``ĤOS_q = C_qⁿ``
-   exactly: the base reader's attention inputs.
-2. *Stacking layers of different widths.* ``[· ; ·]`` in Eqs. 1-2 is a stack over granularity,
-   not a feature concatenation (Eq. 3 sums over it). Every granularity is brought to the width
-   ``d`` of ``Cⁿ`` by its own bias-free linear map; a granularity already ``d`` wide is used as
-   it is (so ``Cⁿ`` never is projected, and point 1 holds exactly).
+Our reading of what the paper leaves open (the chapter names each alternative)
+-----------------------------------------------------------------------------
+1. *HOS and λ.* ``[·; ·]`` concatenates features, as in ``I``. ``λ`` has one entry per feature
+   of ``HOS``, in one block ("column") per granularity: with granularities of equal width ``d``
+   it is a ``d × (n + 2)`` matrix, as the paper writes it. It multiplies ``HOS`` element-wise at
+   every word (the same ``λ`` at every position).
+2. *Order and start.* Eqs. 1-2 list ``E`` first, so the first column of ``λ`` (initialised to
+   ones) is ``E``'s: at initialisation ``ĤOS = [E; 0; …; 0]`` (``hos_order="paper"``). The
+   alternative, ``hos_order="newest_first"`` (``[Cⁿ; …; C¹; E; A]``), makes the kept column
+   the one a base reader's attention reads.
 3. *A on the question side.* ``A`` has one vector per passage word. A question word ``j``
-   receives the passage's ``A`` averaged with the weights of the passage words that attended
-   to it in the base attention: ``A_q[j] = Σ_t ā_tj A_t / Σ_t ā_tj``, with ``ā`` the base
-   reader's context-to-query map (:func:`question_side`). Both sides then stack the same
-   number of granularities of the same meaning.
-4. *λ.* Unnormalised scalars (a softmax could not start from a one-hot ``[1, 0, …]``), one per
-   granularity, shared by passage and question so that both sides are compared at the same mix.
-5. *Where ``A`` comes from.* The base reader's own attention still runs; its projected output
-   ``A`` (QANet: the ``4d → d`` map; BiDAF++: the linear + ReLU layer) is the last
-   granularity, and the same projection maps ``I`` into the rest of the reader.
+   receives it averaged with the weights of the passage words that attended to ``j`` in the
+   base reader's attention: ``A_q[j] = Σ_t ā_tj A_t / Σ_t ā_tj`` (:func:`question_side`).
+4. *Where ``A`` comes from and where ``I`` goes* (``feed``). The paper: "selected MRC models
+   will take I as input of the Output Layer". ``feed="output"`` (default): ``A`` is what the base
+   reader's output layer reads (BiDAF++: the self-attention layer's output; QANet:
+   ``[M0; M1; M2]``; SAN: the memory ``M``) and the output layer reads ``I`` instead.
+   ``feed="attention"``: ``A`` is the base attention layer's projected output and ``I`` takes
+   its place, through the base reader's projection and every layer after the attention.
+
+Options that depart from the paper (off by default)
+---------------------------------------------------
+* ``lam="shared_scalar"``: one scalar per granularity shared by passage and question, each
+  granularity first mapped to the width of the first by a bias-free linear map, and ``ĤOS``
+  their weighted *sum* (the book's first version of the chapter).
+* ``no_answer="head"`` (in the readers): a separate no-answer score with its own loss instead
+  of the passage's last token (:func:`last_token_outputs`).
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
-from mrc_lib.nn import CoAttention, TrilinearSimilarity
+from mrc_lib.errors import UserError
+from mrc_lib.nn import CoAttention, TrilinearSimilarity, decode_span, mask_logits, span_loss
+
+LAMBDAS = ("paper", "shared_scalar")
+ORDERS = ("paper", "newest_first")
+FEEDS = ("output", "attention")
+NO_ANSWERS = ("last_token", "head")
 
 
-def granularities(encoder_layers: Sequence[Tensor], a: Tensor) -> list[Tensor]:
-    """``HOS`` (Eqs. 1-2) from ``encoder_layers = [E, C¹, …, Cⁿ]`` and ``A``, stored newest
-    encoder layer first: ``[Cⁿ, …, C¹, E, A]`` (reading 1 of the module docstring)."""
-    return [*reversed(encoder_layers), a]
+def check_option(name: str, value: str, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise UserError(f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
 
 
-def granularity_names(n_layers: int) -> list[str]:
+def granularities(encoder_layers: Sequence[Tensor], a: Tensor,
+                  order: str = "paper") -> list[Tensor]:
+    """``HOS`` (Eqs. 1-2) from ``encoder_layers = [E, C¹, …, Cⁿ]`` and ``A``: ``[E, C¹, …, Cⁿ,
+    A]`` in the paper's order, ``[Cⁿ, …, C¹, E, A]`` with ``order="newest_first"``."""
+    layers = list(encoder_layers) if order == "paper" else list(reversed(encoder_layers))
+    return [*layers, a]
+
+
+def granularity_names(n_layers: int, order: str = "paper") -> list[str]:
     """Labels of :func:`granularities` for ``n_layers`` encoder layers ``C¹ … Cⁿ``."""
-    return [*(f"C{i}" for i in range(n_layers, 0, -1)), "E", "A"]
+    names = ["E", *(f"C{i}" for i in range(1, n_layers + 1))]
+    return [*(names if order == "paper" else reversed(names)), "A"]
 
 
 def question_side(a: Tensor, attn: Tensor, c_mask: Tensor) -> Tensor:
@@ -67,6 +88,60 @@ def question_side(a: Tensor, attn: Tensor, c_mask: Tensor) -> Tensor:
     weights = attn.masked_fill(~c_mask.unsqueeze(2), 0.0)
     weights = weights / weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
     return weights.transpose(1, 2) @ a
+
+
+class ElementwiseLambda(nn.Module):
+    """Eq. 3: ``ĤOSᵀ = λ ⊙ HOSᵀ`` over the concatenated granularities, one ``λ`` entry per
+    feature, in blocks of the granularities' widths; the first block is initialised to ones,
+    the others to zeros (reading 1)."""
+
+    def __init__(self, widths: Sequence[int]) -> None:
+        super().__init__()
+        self.widths = list(widths)
+        self.lam = nn.Parameter(torch.cat([torch.ones(widths[0]),
+                                           torch.zeros(sum(widths[1:]))]))
+
+    @property
+    def out_dim(self) -> int:
+        return sum(self.widths)
+
+    def forward(self, hos: Sequence[Tensor]) -> Tensor:
+        return self.lam * torch.cat(list(hos), dim=-1)
+
+    def blocks(self) -> list[Tensor]:
+        """``λ``'s columns, one per granularity."""
+        return list(self.lam.split(self.widths))
+
+    def terms(self, hos: Sequence[Tensor]) -> list[Tensor]:
+        """Each granularity's part of ``ĤOS``: ``λ_k ⊙ HOS_k``."""
+        return [lam * h for lam, h in zip(self.blocks(), hos)]
+
+
+class SharedScalarLambda(nn.Module):
+    """Departure (``lam="shared_scalar"``): ``ĤOS = Σ_k λ_k P_k(HOS_k)`` with one scalar per
+    granularity, ``λ = [1, 0, …, 0]`` at initialisation, and ``P_k`` a bias-free linear map to
+    the width of the first granularity (none for a granularity already that wide)."""
+
+    def __init__(self, widths: Sequence[int]) -> None:
+        super().__init__()
+        self.dim = widths[0]
+        self.project = nn.ModuleList(
+            nn.Identity() if w == self.dim else nn.Linear(w, self.dim, bias=False)
+            for w in widths)
+        self.lam = nn.Parameter(torch.tensor([1.0] + [0.0] * (len(widths) - 1)))
+
+    @property
+    def out_dim(self) -> int:
+        return self.dim
+
+    def forward(self, hos: Sequence[Tensor]) -> Tensor:
+        return sum(self.terms(hos))
+
+    def blocks(self) -> list[Tensor]:
+        return list(self.lam.reshape(-1, 1))
+
+    def terms(self, hos: Sequence[Tensor]) -> list[Tensor]:
+        return [lam * project(h) for lam, project, h in zip(self.lam, self.project, hos)]
 
 
 class DroppedTrilinear(TrilinearSimilarity):
@@ -95,47 +170,183 @@ class AdaptiveBiAttention(nn.Module):
     """ABA over a base reader's history of semantics (Eqs. 1-4).
 
     Args:
-        widths: the width of each granularity, in the order of :func:`granularities`
-            (``widths[0]`` is the width ``d`` of ``Cⁿ``, the base attention's input).
+        widths: the width of each granularity ``[E, C¹, …, Cⁿ, A]`` (always in this order).
         dropout: dropout on the similarity matrix ``H`` (Eq. 4).
+        lam: ``"paper"`` (Eq. 3: ``λ^p``, ``λ^q`` element-wise) or ``"shared_scalar"``.
+        hos_order: ``"paper"`` (``E`` first) or ``"newest_first"`` (``Cⁿ`` first).
+        feed: ``"output"`` (``I`` to the output layer) or ``"attention"`` (in place of the base
+            attention's output); recorded here for the reader, see :func:`at_attention`.
+        out_dim: map ``I`` to this width with a bias-free linear layer (``None``: ``I`` as is).
     """
 
-    def __init__(self, widths: Sequence[int], dropout: float = 0.0) -> None:
+    def __init__(self, widths: Sequence[int], dropout: float = 0.0, *, lam: str = "paper",
+                 hos_order: str = "paper", feed: str = "output",
+                 out_dim: int | None = None) -> None:
         super().__init__()
-        dim = widths[0]
-        self.project = nn.ModuleList(
-            nn.Identity() if w == dim else nn.Linear(w, dim, bias=False) for w in widths)
-        # Eq. 3: λ = [1, 0, …, 0], so that ĤOS starts as the base reader's Cⁿ.
-        self.lam = nn.Parameter(torch.tensor([1.0] + [0.0] * (len(widths) - 1)))
+        check_option("lam", lam, LAMBDAS)
+        check_option("hos_order", hos_order, ORDERS)
+        check_option("feed", feed, FEEDS)
+        self.hos_order, self.feed = hos_order, feed
+        ordered = granularities(widths[:-1], widths[-1], hos_order)
+        if lam == "paper":  # λ^p and λ^q
+            self.lam_p, self.lam_q = ElementwiseLambda(ordered), ElementwiseLambda(ordered)
+        else:  # one λ for both sides
+            self.lam_p = self.lam_q = SharedScalarLambda(ordered)
+        dim = self.lam_p.out_dim
         self.attention = ABAttention(dim, dropout)
+        self.out = (nn.Identity() if out_dim in (None, 4 * dim)
+                    else nn.Linear(4 * dim, out_dim, bias=False))
+        self.out_dim = out_dim or 4 * dim
 
-    def weighted(self, hos: Sequence[Tensor]) -> Tensor:
-        """``ĤOS = Σ_k λ_k P_k(HOS⁽ᵏ⁾)`` (Eq. 3), ``P_k`` the map to width ``d``."""
-        return sum(lam * project(h) for lam, project, h in zip(self.lam, self.project, hos))
+    def histories(self, p_layers: Sequence[Tensor], q_layers: Sequence[Tensor], a: Tensor,
+                  base_attn: Tensor, c_mask: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """``HOS_p`` and ``HOS_q`` (Eqs. 1-2) as lists of granularities."""
+        a_q = question_side(a, base_attn, c_mask)
+        return (granularities(p_layers, a, self.hos_order),
+                granularities(q_layers, a_q, self.hos_order))
 
     def forward(self, p_layers: Sequence[Tensor], q_layers: Sequence[Tensor], a: Tensor,
                 base_attn: Tensor, c_mask: Tensor, q_mask: Tensor) -> tuple[Tensor, Tensor]:
-        """``I`` ``[B, Lc, 4d]`` and the row softmax ``Ĥ`` ``[B, Lc, Lq]``.
+        """``I`` ``[B, Lc, out_dim]`` and the row softmax ``Ĥ`` ``[B, Lc, Lq]``.
 
-        ``p_layers``/``q_layers`` are ``[E, C¹, …, Cⁿ]`` of each side, ``a`` the base
-        attention's projected output ``A`` and ``base_attn`` its context-to-query map.
+        ``p_layers``/``q_layers`` are ``[E, C¹, …, Cⁿ]`` of each side, ``a`` the passage's
+        ``A`` and ``base_attn`` the base attention's context-to-query map.
         """
-        hos_p = granularities(p_layers, a)  # Eq. 1
-        hos_q = granularities(q_layers, question_side(a, base_attn, c_mask))  # Eq. 2
-        return self.attention(self.weighted(hos_p), self.weighted(hos_q), c_mask, q_mask)
+        hos_p, hos_q = self.histories(p_layers, q_layers, a, base_attn, c_mask)  # Eqs. 1-2
+        i, attn = self.attention(self.lam_p(hos_p), self.lam_q(hos_q), c_mask, q_mask)  # 3-4
+        return self.out(i), attn
 
 
-def attend(reader: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-    """A reader's attention layer with or without ABA: ``(project(G), map)`` from the base
-    attention, or ``(project(I), Ĥ)`` when ``reader.aba`` is set, with ``A = project(G)`` as the
-    last granularity (reading 5). The reader provides ``layers(words, chars, mask, feats)``
-    (``[E, C¹, …, Cⁿ]`` for one side), ``attention``, ``attn_proj`` and ``aba``."""
-    c_mask, q_mask = batch["c_mask"], batch["q_mask"]
-    p_layers = reader.layers(batch["c_words"], batch["c_chars"], c_mask, batch.get("c_feats"))
-    q_layers = reader.layers(batch["q_words"], batch["q_chars"], q_mask)
-    g, attn = reader.attention(p_layers[-1], q_layers[-1], c_mask, q_mask)
+def at_attention(reader: nn.Module, p_layers, q_layers, g: Tensor, attn: Tensor,
+                 c_mask: Tensor, q_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The base attention's projected output ``reader.attn_proj(g)`` and map, or, when ABA is fed
+    at the attention (``feed="attention"``), ``reader.attn_proj(I)`` and ``Ĥ`` with
+    ``A = reader.attn_proj(g)`` as the last granularity."""
     a = reader.attn_proj(g)
-    if reader.aba is None:
+    if reader.aba is None or reader.aba.feed != "attention":
         return a, attn
     i, attn = reader.aba(p_layers, q_layers, a, attn, c_mask, q_mask)
     return reader.attn_proj(i), attn
+
+
+def at_output(reader: nn.Module, p_layers, q_layers, x: Tensor, attn: Tensor,
+              c_mask: Tensor, q_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The output layer's input: ``x`` (the base reader's), or ``I`` with ``A = x`` when ABA is
+    fed at the output (``feed="output"``, the paper's), with the map the reader reports."""
+    if reader.aba is None or reader.aba.feed != "output":
+        return x, attn
+    return reader.aba(p_layers, q_layers, x, attn, c_mask, q_mask)
+
+
+def build_aba(widths: Sequence[int], dropout: float, *, aba: bool, lam: str, hos_order: str,
+              feed: str, attention_dim: int) -> AdaptiveBiAttention | None:
+    """A reader's ABA module (``None`` without ABA); ``attention_dim`` is the width of the base
+    attention's output, to which ``I`` is mapped when it is fed there."""
+    if not aba:
+        return None
+    return AdaptiveBiAttention(widths, dropout, lam=lam, hos_order=hos_order, feed=feed,
+                               out_dim=attention_dim if feed == "attention" else None)
+
+
+# --- unanswerable questions ----------------------------------------------------------------------
+
+
+def last_token_outputs(start: Tensor, end: Tensor, batch: dict[str, Tensor],
+                       max_len: int = 15) -> dict[str, Tensor]:
+    """The paper's unanswerable questions (Sec. 2.1): the answer of an unanswerable question is
+    the passage's last token.
+
+    ``start``/``end`` are the reader's masked logits ``[B, Lc]``. Returns
+
+    * ``loss``: the span negative log-likelihood over every example, an unanswerable one
+      pointing both ends at its passage's last token (when the batch has targets);
+    * ``start_logits``/``end_logits`` with the last token masked, so that decoding picks a real
+      span (the last token is reserved for "no answer");
+    * ``na_logits``: ``log p¹(last) p²(last) − log max p¹(i) p²(j)`` over the spans the decoder
+      can return (``j − i < max_len``, the trainer's default ``max_answer_len``), whose sigmoid
+      is the no-answer probability that the SQuAD 2.0 threshold acts on.
+    """
+    c_mask = batch["c_mask"]
+    last = c_mask.sum(dim=1) - 1
+    out = {}
+    if "y1" in batch:
+        has = batch["has_answer"]
+        out["loss"] = span_loss(start, end, batch["y1"].where(has, last),
+                                batch["y2"].where(has, last))
+    spans = c_mask & (torch.arange(c_mask.shape[1], device=c_mask.device) != last[:, None])
+    log_p1, log_p2 = start.log_softmax(-1), end.log_softmax(-1)
+    p1, p2 = (log_p.exp().masked_fill(~spans, 0.0) for log_p in (log_p1, log_p2))
+    best = decode_span(p1, p2, max_len)[2].clamp_min(torch.finfo(p1.dtype).tiny)
+    rows = torch.arange(len(last), device=last.device)
+    out["na_logits"] = log_p1[rows, last] + log_p2[rows, last] - best.log()
+    out["start_logits"], out["end_logits"] = mask_logits(start, spans), mask_logits(end, spans)
+    return out
+
+
+# --- the analysis payload -------------------------------------------------------------------------
+
+
+def example_picks(split) -> list[int]:
+    """Fixed examples for the figures: the unanswerable and the answerable question of ``split``
+    with the shortest passage (the first of each kind on ties)."""
+    lengths = split.context_lengths()
+    has = split.a["has_answer"][split.index].astype(bool)
+    return [int(c[lengths[c].argmin()]) for c in (np.flatnonzero(~has), np.flatnonzero(has))
+            if len(c)]
+
+
+def rounded(x: Tensor, digits: int = 4) -> list:
+    return np.round(x.detach().double().cpu().numpy(), digits).tolist()
+
+
+def granularity_shares(lam_module: nn.Module, hos: Sequence[Tensor], mask: Tensor) -> list[float]:
+    """Each granularity's share of ``ĤOS``: the mean norm of ``λ_k ⊙ HOS_k`` over the real
+    words, normalised to sum to 1."""
+    norms = torch.stack([t.norm(dim=-1)[mask].mean() for t in lam_module.terms(hos)])
+    return rounded(norms / norms.sum().clamp_min(torch.finfo(norms.dtype).tiny))
+
+
+def analysis(reader: nn.Module, split) -> dict:
+    """The chapter's payload (averaged weights, eval mode, no gradients): the SQuAD 2.0 protocol
+    scores when ``split`` carries its held-out half (``split.heldout``: threshold tuned on
+    ``split``, scores on the other), the attention map of a few fixed examples, and for ABA
+    readers ``λ`` and each granularity's share of ``ĤOS`` on those examples."""
+    from mrc_lib.data.squad2 import tuned_scores
+
+    device = next(reader.parameters()).device
+    payload = {}
+    if getattr(split, "heldout", None) is not None:
+        cfg = types.SimpleNamespace(eval_batch_size=100, max_answer_len=15, bf16=False)
+        data = types.SimpleNamespace(adapt=split, eval=split.heldout)
+        payload["scores"] = tuned_scores(reader, data, cfg, device)
+    picks = example_picks(split)
+    seen = []
+    hook = (reader.aba.register_forward_hook(lambda _, args, __: seen.append(args))
+            if reader.aba is not None else None)
+    batch = {k: v.to(device) for k, v in split.collate(np.array(picks)).items()}
+    out = reader(batch)
+    if hook is not None:
+        hook.remove()
+    payload["examples"] = []
+    for b, i in enumerate(picks):
+        n, m = int(batch["c_mask"][b].sum()), int(batch["q_mask"][b].sum())
+        payload["examples"].append({
+            "index": i, "has_answer": bool(batch["has_answer"][b]),
+            "passage": split.tokens(i), "question": split.tokens(i, "q"),
+            "attention": rounded(out["attention"][b, :n, :m]),
+            "na_prob": round(float(out["na_logits"][b].float().sigmoid()), 4)})
+    if hook is not None:
+        payload["lambda"] = lambda_summary(reader.aba, seen[0])
+    return payload
+
+
+def lambda_summary(aba: AdaptiveBiAttention, args) -> dict:
+    """``λ`` per granularity (mean of its column) and each granularity's share of ``ĤOS``."""
+    p_layers, q_layers, a, base_attn, c_mask, q_mask = args
+    hos_p, hos_q = aba.histories(p_layers, q_layers, a, base_attn, c_mask)
+    return {"granularities": granularity_names(len(p_layers) - 1, aba.hos_order),
+            "form": "shared_scalar" if isinstance(aba.lam_p, SharedScalarLambda) else "paper",
+            "lambda_p": [round(float(b.mean()), 4) for b in aba.lam_p.blocks()],
+            "lambda_q": [round(float(b.mean()), 4) for b in aba.lam_q.blocks()],
+            "share_p": granularity_shares(aba.lam_p, hos_p, c_mask),
+            "share_q": granularity_shares(aba.lam_q, hos_q, q_mask)}

@@ -80,3 +80,24 @@ class BiDAF(nn.Module):
         return {"start_logits": mask_logits(start.float(), c_mask),
                 "end_logits": mask_logits(end.float(), c_mask),
                 "attention": attn.float()}
+
+    def analysis(self, split) -> dict:
+        """Figure payload: the context-to-query attention ``a_t`` of a few dev questions."""
+        return attention_payload(self, split)
+
+
+def attention_payload(reader: nn.Module, split, examples: int = 2, tokens: int = 40) -> dict:
+    """The ``attention`` output (context-to-query weights, ``[T, J]``) of ``reader`` for the
+    first ``examples`` questions of ``split``, cut to the first ``tokens`` context tokens, as
+    plain lists with the words, for a figure drawn without the weights."""
+    device = next(reader.parameters()).device
+    payload = []
+    for i in range(min(examples, len(split))):
+        batch = {k: v.to(device) for k, v in split.collate(torch.tensor([i]).numpy()).items()}
+        att = reader(batch)["attention"][0].float().cpu()
+        context, question = split.tokens(i), split.tokens(i, "q")
+        n = min(tokens, len(context))
+        payload.append({"question": split.question(i), "context_tokens": list(context[:n]),
+                        "question_tokens": list(question),
+                        "attention": att[:n, :len(question)].round(decimals=4).tolist()})
+    return {"attention": payload}

@@ -5,7 +5,7 @@
 1. embedding: fixed GloVe vectors and a character CNN max-pooled over each word;
 2. pre-process: a bidirectional GRU shared by passage and question (``C¹``);
 3. attention: BiDAF's (trilinear similarity, context-to-query, max-pooled query-to-context),
-   ``[h; c; h ⊙ c; q2c ⊙ h]``, then a linear layer with ReLU (``A``);
+   ``[h; c; h ⊙ c; q2c ⊙ h]``, then a linear layer with ReLU;
 4. self-attention: a bidirectional GRU, the same attention between the passage and itself with
    the diagonal masked (a word may not attend to itself), ``[x; x̃; x ⊙ x̃]``, a linear layer
    with ReLU, added to the layer's input (residual);
@@ -15,11 +15,20 @@
    scores, by the end scores and by a learned self-attention, through a two-layer network.
 
 Variational dropout (one mask per sequence) of 0.2 acts on the input of every GRU and linear
-layer. The paper trains ``z`` jointly with the spans in one softmax; our trainer adds the binary
-cross-entropy of ``σ(z)`` against "no answer" to the span loss (:func:`mrc_lib.train.reader_loss`).
+layer.
 
-With ``aba=True`` the attention layer becomes Adaptive Bi-directional Attention
-(:mod:`mrc_lib.models.aba`) over the history ``[E; C¹; A]``.
+Unanswerable questions: by default (``no_answer="last_token"``) the ABA paper's formulation
+(Chen et al. 2021, Sec. 2.1), the passage's last token as the answer
+(:func:`mrc_lib.models.aba.last_token_outputs`), for the readers with and without ABA alike.
+``no_answer="head"`` uses layer 6, trained with the binary cross-entropy of ``σ(z)`` against
+"no answer" added to the span loss of the answerable questions
+(:func:`mrc_lib.train.reader_loss`; Clark & Gardner train ``z`` jointly with the spans in one
+softmax instead).
+
+With ``aba=True``, Adaptive Bi-directional Attention (:mod:`mrc_lib.models.aba`) over the
+history ``[E; C¹; A]``: with ``aba_feed="output"`` (the paper's) ``A`` is the output of layer 4
+and ``I`` is the input of layer 5; with ``aba_feed="attention"`` ``A`` is the output of layer
+3 and ``I`` takes the place of layer 3's attention output.
 """
 
 from __future__ import annotations
@@ -28,7 +37,15 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.models import register
-from mrc_lib.models.aba import AdaptiveBiAttention, attend
+from mrc_lib.models.aba import (
+    NO_ANSWERS,
+    at_attention,
+    at_output,
+    build_aba,
+    check_option,
+    last_token_outputs,
+)
+from mrc_lib.models.aba import analysis as aba_analysis
 from mrc_lib.models.inputs import InputEmbedding
 from mrc_lib.nn import (
     RNN,
@@ -83,7 +100,7 @@ class NoAnswerHead(nn.Module):
 
 @register("bidafpp")
 class BiDAFPP(nn.Module):
-    """The BiDAF++ reader with a no-answer option, optionally with ABA.
+    """The BiDAF++ reader for SQuAD 2.0, optionally with ABA.
 
     Args:
         vocab: see :mod:`mrc_lib.models`.
@@ -92,35 +109,45 @@ class BiDAFPP(nn.Module):
         char_dim, char_channels, char_kernel: character embedding size, CNN filters and width
             (paper: 20, 100, 5).
         dropout: variational dropout on every GRU and linear layer input (paper: 0.2).
-        na_hidden: hidden size of the no-answer network.
-        aba: replace the attention layer by Adaptive Bi-directional Attention.
+        no_answer: ``"last_token"`` (the ABA paper's) or ``"head"`` (layer 6).
+        na_hidden: hidden size of the no-answer network (``no_answer="head"``).
+        aba: add Adaptive Bi-directional Attention.
+        aba_lam, aba_order, aba_feed: its ``lam``, ``hos_order`` and ``feed``
+            (:class:`~mrc_lib.models.aba.AdaptiveBiAttention`).
         use_features: append the data pipeline's token features to the context embedding.
     """
 
     def __init__(self, vocab, *, hidden: int = 100, proj: int = 200, char_dim: int = 20,
                  char_channels: int = 100, char_kernel: int = 5, dropout: float = 0.2,
-                 na_hidden: int = 100, aba: bool = False, use_features: bool = False):
+                 no_answer: str = "last_token", na_hidden: int = 100, aba: bool = False,
+                 aba_lam: str = "paper", aba_order: str = "paper", aba_feed: str = "output",
+                 use_features: bool = False):
         super().__init__()
+        check_option("no_answer", no_answer, NO_ANSWERS)
         # 1. GloVe and char CNN, no highway.
         self.embed = InputEmbedding(vocab, char_dim=char_dim, char_channels=char_channels,
                                     char_kernel=char_kernel, highway_layers=0,
                                     char_dropout=dropout, use_features=use_features)
         # 2. Shared BiGRU: C¹.
         self.encoder = RNN(self.embed.out_dim, hidden, cell="gru", dropout=dropout)
-        # 3. BiDAF attention, then linear + ReLU: A.
+        # 3. BiDAF attention, then linear + ReLU.
         self.attention = BiDAFAttention(2 * hidden)
         self.attn_proj = linear_relu(8 * hidden, proj, dropout)
-        self.aba = (AdaptiveBiAttention([2 * hidden, self.embed.out_dim, proj], dropout)
-                    if aba else None)
+        # ABA over [E; C¹; A], A of width proj either way.
+        self.aba = build_aba([self.embed.out_dim, 2 * hidden, proj], dropout, aba=aba,
+                             lam=aba_lam, hos_order=aba_order, feed=aba_feed,
+                             attention_dim=8 * hidden)
         # 4. Residual self-attention.
         self.self_attention = SelfAttention(proj, hidden, dropout)
-        # 5. Start and end: BiGRU + linear each.
-        self.start_rnn = RNN(proj, hidden, cell="gru", dropout=dropout)
-        self.end_rnn = RNN(proj + 2 * hidden, hidden, cell="gru", dropout=dropout)
+        # 5. Start and end: BiGRU + linear each, reading x (or I).
+        x_dim = self.aba.out_dim if self.aba is not None and aba_feed == "output" else proj
+        self.start_rnn = RNN(x_dim, hidden, cell="gru", dropout=dropout)
+        self.end_rnn = RNN(x_dim + 2 * hidden, hidden, cell="gru", dropout=dropout)
         self.w_start = nn.Sequential(LockedDropout(dropout), nn.Linear(2 * hidden, 1))
         self.w_end = nn.Sequential(LockedDropout(dropout), nn.Linear(2 * hidden, 1))
         # 6. No-answer option over both prediction GRUs' states.
-        self.no_answer = NoAnswerHead(4 * hidden, na_hidden, dropout)
+        self.no_answer = NoAnswerHead(4 * hidden, na_hidden, dropout) if no_answer == "head" \
+            else None
 
     def layers(self, words: Tensor, chars: Tensor, mask: Tensor,
                feats: Tensor | None = None) -> list[Tensor]:
@@ -129,16 +156,28 @@ class BiDAFPP(nn.Module):
         return [e, self.encoder(e, mask)]
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        c_mask = batch["c_mask"]
-        # 1-3. A = ReLU(W G), or ReLU(W I) with ABA.
-        x, attn = attend(self, batch)
-        # 4-5.
+        c_mask, q_mask = batch["c_mask"], batch["q_mask"]
+        # 1-2.
+        p = self.layers(batch["c_words"], batch["c_chars"], c_mask, batch.get("c_feats"))
+        q = self.layers(batch["q_words"], batch["q_chars"], q_mask)
+        # 3. ReLU(W G), or ReLU(W I) with ABA fed at the attention.
+        g, attn = self.attention(p[-1], q[-1], c_mask, q_mask)
+        x, attn = at_attention(self, p, q, g, attn, c_mask, q_mask)
+        # 4. Then I in place of x with ABA fed at the output layer.
         x = self.self_attention(x, c_mask)
+        x, attn = at_output(self, p, q, x, attn, c_mask, q_mask)
+        # 5.
         h_start = self.start_rnn(x, c_mask)
         h_end = self.end_rnn(torch.cat([x, h_start], dim=-1), c_mask)
         start = mask_logits(self.w_start(h_start).squeeze(-1).float(), c_mask)
         end = mask_logits(self.w_end(h_end).squeeze(-1).float(), c_mask)
+        out = {"attention": attn.float()}
+        if self.no_answer is None:
+            return {**out, **last_token_outputs(start, end, batch)}
         # 6.
         na = self.no_answer(torch.cat([h_start, h_end], dim=-1), start, end, c_mask)
-        return {"start_logits": start, "end_logits": end, "na_logits": na,
-                "attention": attn.float()}
+        return {**out, "start_logits": start, "end_logits": end, "na_logits": na}
+
+    def analysis(self, split) -> dict:
+        """The chapter's payload (:func:`mrc_lib.models.aba.analysis`)."""
+        return aba_analysis(self, split)

@@ -1,11 +1,12 @@
 """Training and evaluation of cloze readers (EA Reader and its ablations) on
 :class:`mrc_lib.data.cloze.ClozeSet` splits.
 
-As in the paper: Adam with learning rate 1e-3, batches of 32, the candidates' negative
-log-likelihood, gradient-norm clipping, model selection on valid accuracy. A run lives in one
-folder: ``config.json``, ``checkpoint.pt`` (written atomically at every epoch end: weights,
-best weights, optimizer, random-number states, history; a run resumes from it), ``model.pt``
-(the best weights) and ``metrics.json``.
+As in the paper: Adam with learning rate 1e-3, batches of 32, the answer's negative
+log-likelihood. Our additions (the paper does not state them): gradient-norm clipping and
+model selection on valid accuracy. One call of :func:`train_cloze` is one run and returns its
+metrics dict. A run lives in one folder: ``config.json``, ``checkpoint.pt`` (written atomically
+at every epoch end: weights, best weights, optimizer, random-number states, history; a run
+resumes from it), ``model.pt`` (the best weights) and ``metrics.json``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from mrc_lib.checkpoint import (
     seed_everything,
     set_rng_state,
 )
-from mrc_lib.data.cloze import ClozeSet
+from mrc_lib.data.cloze import ClozeSet, ReaderSplit
 from mrc_lib.errors import UserError
-from mrc_lib.models.ea_reader import EAReader, cloze_loss
+from mrc_lib.models.ea_reader import EAReader, cloze_loss, predict
 from mrc_lib.utils import atomic_write_json
 
 # Settings that may differ when a run is resumed; any other change is refused.
@@ -75,19 +76,21 @@ def accuracy(model: nn.Module, data: ClozeSet, word_ids: np.ndarray, cfg: ClozeC
     for batch in batches(data, word_ids, cfg.eval_batch_size, cfg.max_eval):
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast(device):
-            logits = model(batch)["logits"]
-        correct += int((logits.argmax(dim=1) == batch["answer"]).sum())
-        total += len(logits)
+            out = model(batch)
+        correct += int((predict(out) == batch["answer"]).sum())
+        total += len(batch["answer"])
     return 100.0 * correct / total
 
 
 def train_cloze(sets: dict[str, ClozeSet], word_ids: np.ndarray, vectors: np.ndarray,
-                cfg: ClozeConfig, out_dir, resume: bool = True) -> tuple[EAReader, dict]:
+                cfg: ClozeConfig, out_dir, resume: bool = True) -> dict:
     """Train on ``sets["train"]``, select on ``sets["valid"]``, report ``sets["test"]``.
 
-    Returns the model holding its best weights and the metrics (``valid``, ``test`` accuracy,
-    ``history``, ``params``, ``seconds_per_epoch``). With ``resume``, a finished run in
-    ``out_dir`` is loaded instead of retrained and an unfinished one continues.
+    Returns the metrics: ``valid`` and ``test`` accuracy (%) of the best valid epoch,
+    ``history``, ``params``, ``seconds_per_epoch`` and ``analysis``, the reader's figure
+    payload (:meth:`EAReader.analysis` on the valid split, best weights, eval mode). With
+    ``resume``, a finished run in ``out_dir`` is loaded instead of retrained and an unfinished
+    one continues.
     """
     out_dir = Path(out_dir)
     path = out_dir / "checkpoint.pt"
@@ -124,8 +127,10 @@ def train_cloze(sets: dict[str, ClozeSet], word_ids: np.ndarray, vectors: np.nda
     metrics = {"valid": state["best"], "test": accuracy(model, sets["test"], word_ids, cfg),
                "history": state["history"], "seconds_per_epoch": state["seconds"],
                "params": sum(p.numel() for p in model.parameters() if p.requires_grad)}
+    with torch.no_grad(), autocast(device):
+        metrics["analysis"] = model.eval().analysis(ReaderSplit(sets["valid"], word_ids))
     atomic_write_json(out_dir / "metrics.json", metrics)
-    return model, metrics
+    return metrics
 
 
 def check_resumable(path: Path, cfg: ClozeConfig) -> None:
@@ -146,7 +151,8 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data: ClozeS
     for batch in batches(data, word_ids, cfg.batch_size, cfg.max_train, [cfg.seed, epoch]):
         batch = {k: v.to(device) for k, v in batch.items()}
         with autocast(device):
-            loss = cloze_loss(model(batch)["logits"].float(), batch["answer"])
+            out = model(batch)
+        loss = cloze_loss(out["logits"], out["candidates"], batch["answer"])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

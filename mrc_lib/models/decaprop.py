@@ -4,21 +4,26 @@ Su, NeurIPS 2018).
 The idea: bidirectional attention between any two layers, compressed to three scalars per word by
 factorization machines, is cheap enough to connect *every* passage layer with *every* query layer.
 
+* the input encoder (Sec. 3.1), :class:`~mrc_lib.models.rnet.InputEncoder`: word vectors, a
+  character BiRNN and two features, ``d_w + h_c + 2`` per token;
 * :class:`FactorizationMachine` ``G`` (Eq. 4), computed in ``O(nk)``; :class:`MLPCompressor`, the
-  linear and nonlinear replacements of the Table 7 ablations (8)-(9).
-* :class:`BAC`, the bidirectional attention connector (Sec. 2, Eqs. 1-3).
-* :class:`DecaEnc` (Sec. 3.2): ``n`` BiRNN layers, a same-level BAC between layers whose three
-  features feed the next layer, and cross-hierarchy BACs between every pair of passage and query
-  layers.
-* :class:`DecaCore` (Sec. 3.3): gated attention and gated self-attention (Eqs. 6-8, R-NET's
-  :class:`~mrc_lib.models.rnet.MatchingCore`), then one-sided BACs from the two core layers back
-  to the encoder layers.
+  linear and nonlinear replacements of the Table 7 ablations (8)-(9);
+* :class:`BAC`, the bidirectional attention connector (Sec. 2, Eqs. 1-3);
+* :class:`DecaEnc` (Sec. 3.2, Eq. 5): ``n`` BiRNN layers, a same-level BAC between layers whose
+  three features feed the next layer, and BACs between every pair of passage and query layers;
+* :class:`DecaCore` (Sec. 3.3, Eqs. 6-9): gated attention and gated self-attention
+  (:class:`~mrc_lib.models.rnet.MatchingCore`), then one-sided BACs from ``U¹, U²`` to the query
+  layers (the dense core);
 * the BiRNN pointer (Sec. 3.4, Eqs. 10-11), :class:`~mrc_lib.models.rnet.BiRNNPointer`; the loss
   (Eq. 12) and the decoding ``argmax p¹_k p²_l, k ≤ l`` are the trainer's.
+
+Dropout (Sec. 4.2) acts on the input of every RNN (locked, i.e. variational) and of every dense
+layer: the projections ``F``, the compressors ``G``, the gates and the pointer.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -28,7 +33,9 @@ from mrc_lib.models.rnet import Affinity, BiRNNPointer, InputEncoder, MatchingCo
 from mrc_lib.nn import RNN, c2q_attention, context_to_query
 
 COMPRESSORS = ("fm", "linear", "nonlinear")
+CORE_CONNECTORS = ("eq9", "12n")
 N_FEATURES = 3  # scalars per word per BAC (Eq. 3)
+ANALYSIS_EXAMPLES, ANALYSIS_TOKENS = 2, 40  # the connector figure's dev examples and words
 
 
 class FactorizationMachine(nn.Module):
@@ -74,18 +81,22 @@ class BAC(nn.Module):
 
     ``E = F(P) F(Q)ᵀ / √d`` (Eq. 1); ``A = Softmax(Eᵀ) P``, ``B = Softmax(E) Q`` (Eq. 2);
     ``g^p_i = [G₁([bᵢ; pᵢ]); G₂(bᵢ − pᵢ); G₃(bᵢ ⊙ pᵢ)]`` and ``g^q_j`` the same with ``aⱼ, qⱼ``
-    (Eq. 3). The three compressors ``G`` are shared by the two directions.
+    (Eq. 3). Our reading: the three compressors ``G`` are shared by the two directions (the paper
+    says the query side is built "in an identical fashion"). Dropout acts on the input of ``F``
+    and of each ``G``.
     """
 
-    def __init__(self, dim: int, *, proj_dim: int, k: int = 64, compressor: str = "fm") -> None:
+    def __init__(self, dim: int, *, proj_dim: int, k: int = 64, compressor: str = "fm",
+                 dropout: float = 0.0) -> None:
         super().__init__()
-        self.affinity = Affinity(dim, proj_dim)
+        self.affinity = Affinity(dim, proj_dim, dropout)
         self.G = nn.ModuleList(build_compressor(compressor, n, k) for n in (2 * dim, dim, dim))
+        self.dropout = nn.Dropout(dropout)
 
     def compress(self, x: Tensor, attended: Tensor, mask: Tensor) -> Tensor:
         """Eq. 3 for one side: ``[B, L, 3]``, zero at padding."""
-        g = torch.stack([self.G[0](torch.cat([attended, x], dim=-1)),
-                         self.G[1](attended - x), self.G[2](attended * x)], dim=-1)
+        inputs = (torch.cat([attended, x], dim=-1), attended - x, attended * x)
+        g = torch.stack([G(self.dropout(v)) for G, v in zip(self.G, inputs)], dim=-1)
         return g.masked_fill(~mask.unsqueeze(-1), 0.0)
 
     def forward(self, p: Tensor, q: Tensor, p_mask: Tensor,
@@ -97,7 +108,7 @@ class BAC(nn.Module):
         return self.compress(p, B, p_mask), self.compress(q, A, q_mask)
 
     def one_sided(self, p: Tensor, q: Tensor, p_mask: Tensor, q_mask: Tensor) -> Tensor:
-        """The passage side ``g^p`` only (DecaCore's connectors)."""
+        """``F'_C`` of Eq. 9: the left sequence's ``g^p`` only."""
         return self.compress(p, context_to_query(self.affinity(p, q), q, q_mask), p_mask)
 
     def attention(self, p: Tensor, q: Tensor, q_mask: Tensor) -> Tensor:
@@ -106,16 +117,17 @@ class BAC(nn.Module):
 
 
 class DecaEnc(nn.Module):
-    """Densely connected encoder (Sec. 3.2).
+    """Densely connected attention encoder (Sec. 3.2).
 
     ``n`` BiRNN layers shared by passage and query. Layer ``i`` reads ``[Pⁱ⁻¹; BACⁱ⁻¹]``: the
     previous states and the three features of the same-level BAC between ``Pⁱ⁻¹`` and ``Qⁱ⁻¹``
-    (sizes ``d → 2h → 2h+3 → 2h ...``). Cross-hierarchy BACs connect ``Pⁱ`` with ``Qʲ`` for every
-    pair ``(i, j)``, the same-level BACs being the pairs ``(i, i)``: ``3n²`` features per word on
-    each side. Output: ``[P¹; ...; Pⁿ; Z]`` (and the same for the query).
+    (sizes ``d → 2h → 2h+3 → 2h ...``, the paper's ``d → h → h+3 → h`` with ``h`` the BiRNN's
+    output size). Eq. 5 connects ``Pⁱ`` with ``Qʲ`` for every pair ``(i, j)``; our reading: the
+    same-level BACs are its pairs ``(i, i)``, giving the paper's ``3n²`` features per word on each
+    side. Output: ``[P¹; ...; Pⁿ; Z]``, ``nh + 3n²`` features (and the same for the query).
 
-    ``dense=False`` (ablation 3) is a plain ``n``-layer BiRNN whose output is its top layer;
-    ``cross_hierarchy=False`` (ablation 4) keeps only the ``3n`` same-level features.
+    ``dense=False`` (Table 7, ablation 3) is a plain ``n``-layer BiRNN whose output is its top
+    layer; ``cross_hierarchy=False`` (ablation 4) keeps only the ``3n`` same-level features.
     """
 
     def __init__(self, input_size: int, hidden: int, *, n_layers: int = 3, dense: bool = True,
@@ -130,7 +142,8 @@ class DecaEnc(nn.Module):
         self.pairs = ([(i, j) for i in range(n_layers) for j in range(n_layers)
                        if cross_hierarchy or i == j] if dense else [])
         self.bacs = nn.ModuleDict({
-            f"{i}_{j}": BAC(2 * hidden, proj_dim=proj_dim, k=k, compressor=compressor)
+            f"{i}_{j}": BAC(2 * hidden, proj_dim=proj_dim, k=k, compressor=compressor,
+                            dropout=dropout)
             for i, j in self.pairs})
         self.out_dim = (2 * hidden * n_layers + N_FEATURES * len(self.pairs) if dense
                         else 2 * hidden)
@@ -151,7 +164,7 @@ class DecaEnc(nn.Module):
                 z[i, i] = self.bacs[f"{i}_{i}"](p, q, p_mask, q_mask)
         if not self.dense:
             return (ps[-1], qs[-1]), (ps, qs), None
-        for i, j in self.pairs:  # cross-hierarchy connectors
+        for i, j in self.pairs:  # cross-hierarchy connectors, Eq. 5
             if i != j:
                 z[i, j] = self.bacs[f"{i}_{j}"](ps[i], qs[j], p_mask, q_mask)
         z_p = torch.stack([z[pair][0] for pair in self.pairs], dim=2)
@@ -164,29 +177,53 @@ class DecaEnc(nn.Module):
 class DecaCore(nn.Module):
     """Densely connected core (Sec. 3.3).
 
-    Gated attention of ``P'`` over ``Q'`` gives ``U¹``, gated self-attention ``U²`` (Eqs. 6-8).
-    One-sided BACs connect each of ``U¹, U²`` with each encoder layer, ``Pᵏ`` and ``Qᵏ``
-    (``2 · 2n · 3 = 12n`` features ``R'``); the output is ``M = [U²; R']``.
+    Gated attention of ``P'`` over ``Q'`` gives ``U¹``, gated self-attention ``U²`` (Eqs. 6-8,
+    :class:`~mrc_lib.models.rnet.MatchingCore`). The dense core then applies one-sided BACs
+    ``Rᵏʲ = F'_C(Uʲ, Qᵏ)`` (Eq. 9) and outputs ``M = [U²; R']``. ``connectors`` picks the
+    reading of Eq. 9:
+
+    * ``"eq9"`` (default, Eq. 9 as printed): ``k = 1..n``, ``j = 1, 2``: ``2n`` connectors,
+      ``6n`` features;
+    * ``"12n"``: the width the text gives, ``M ∈ R^{ℓp × (d + 12n)}``, reached by also connecting
+      ``Uʲ`` with the passage layers ``Pᵏ``: ``4n`` connectors, ``12n`` features.
+
+    ``dense=False`` (Table 7, ablation 2) drops the dense core: ``M = U²``. ``attention=False``
+    (ablation 5) removes the gated attention layers (see ``MatchingCore``).
     """
 
-    def __init__(self, dim: int, hidden: int, *, n_layers: int = 3, gated: bool = True,
+    def __init__(self, dim: int, hidden: int, *, n_layers: int = 3, dense: bool = True,
+                 connectors: str = "eq9", attention: bool = True, gate: str = "p",
                  proj_dim: int, k: int = 64, compressor: str = "fm", cell: str = "gru",
                  dropout: float = 0.0) -> None:
         super().__init__()
-        self.match = MatchingCore(dim, hidden, proj_dim=proj_dim, gated=gated, cell=cell,
-                                  dropout=dropout)
+        if connectors not in CORE_CONNECTORS:
+            raise UserError(f"unknown core connectors {connectors!r}; choose one of "
+                            f"{', '.join(CORE_CONNECTORS)}")
+        self.connectors = connectors
+        self.match = MatchingCore(dim, hidden, proj_dim=proj_dim, attention=attention, gate=gate,
+                                  cell=cell, dropout=dropout)
+        sides = 2 if connectors == "12n" else 1
+        n_bacs = 2 * sides * n_layers if dense else 0
         self.bacs = nn.ModuleList(
-            BAC(2 * hidden, proj_dim=proj_dim, k=k, compressor=compressor)
-            for _ in range(2 * 2 * n_layers))
-        self.out_dim = 2 * hidden + N_FEATURES * len(self.bacs)
+            BAC(2 * hidden, proj_dim=proj_dim, k=k, compressor=compressor, dropout=dropout)
+            for _ in range(n_bacs))
+        self.out_dim = 2 * hidden + N_FEATURES * n_bacs
+
+    def targets(self, layers: tuple[list[Tensor], list[Tensor]], p_mask: Tensor,
+                q_mask: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """The right-hand sequences of Eq. 9 with their masks: ``Q¹..Qⁿ`` (and ``P¹..Pⁿ``)."""
+        targets = [(x, q_mask) for x in layers[1]]
+        if self.connectors == "12n":
+            targets += [(x, p_mask) for x in layers[0]]
+        return targets
 
     def forward(self, p: Tensor, q: Tensor, p_mask: Tensor, q_mask: Tensor,
-                layers: tuple[list[Tensor], list[Tensor]]) -> tuple[Tensor, Tensor]:
+                layers: tuple[list[Tensor], list[Tensor]]) -> tuple[Tensor, Tensor | None]:
         """``M`` ``[B, Lp, out_dim]`` and the passage-to-query attention of ``U¹``."""
         u1, u2, attn = self.match(p, q, p_mask, q_mask)
-        targets = [(x, p_mask) for x in layers[0]] + [(x, q_mask) for x in layers[1]]
-        pairs = [(u, x, mask) for u in (u1, u2) for x, mask in targets]
-        r = [bac.one_sided(u, x, p_mask, mask) for bac, (u, x, mask) in zip(self.bacs, pairs)]
+        pairs = [(u, x, mask) for u in (u1, u2) for x, mask in self.targets(layers, p_mask, q_mask)]
+        r = [bac.one_sided(u, x, p_mask, mask)  # Eq. 9
+             for bac, (u, x, mask) in zip(self.bacs, pairs)]
         return torch.cat([u2, *r], dim=-1), attn
 
 
@@ -202,47 +239,64 @@ class DecaProp(nn.Module):
         compressor: ``G`` of Eq. 3: ``fm`` (Eq. 4), or ablations (8) ``linear`` and (9)
             ``nonlinear``.
         use_enc: DecaEnc; ``False`` (ablation 3) uses a plain ``n``-layer BiRNN.
-        use_core: DecaCore; ``False`` (ablation 2) points directly on DecaEnc's output.
+        dense_core: DecaCore's connectors; ``False`` (ablation 2) passes ``U²`` to the pointer.
         cross_hierarchy: connect every pair of layers; ``False`` (ablation 4) only same levels.
-        gated_attention: the sigmoid gates of Eq. 7; ``False`` (ablation 5) leaves them out.
-        attention_dim: size of the ReLU projections ``F`` of Eq. 1.
-        char_dim: character embedding size.
-        char_hidden: size per direction of the character BiRNN.
-        highway_layers: depth of the input highway network.
+        gated_attention: the gated attention layers; ``False`` (ablation 5) lets the input pass
+            through them.
+        core_connectors: the reading of Eq. 9, ``eq9`` (as printed) or ``12n`` (see
+            :class:`DecaCore`).
+        gate: what the gate of Eq. 8 scales: ``p`` (as printed) or ``concat`` (R-NET's form,
+            see :class:`~mrc_lib.models.rnet.GatedAttention`).
+        attention_dim: size of the ReLU projections ``F`` of Eqs. 1 and 6.
+        char_dim: character embedding size (paper: 8).
+        char_hidden: size per direction of the character BiRNN (paper: that of the word RNNs).
         cell: ``gru`` or ``lstm``.
-        dropout: on word vectors, in the highway and (locked) on every RNN input.
+        dropout: on the input of every RNN (locked) and of every dense layer.
     """
 
     def __init__(self, vocab, *, hidden: int = 75, n_layers: int = 3, factors: int = 64,
-                 compressor: str = "fm", use_enc: bool = True, use_core: bool = True,
+                 compressor: str = "fm", use_enc: bool = True, dense_core: bool = True,
                  cross_hierarchy: bool = True, gated_attention: bool = True,
-                 attention_dim: int = 75, char_dim: int = 8, char_hidden: int = 75,
-                 highway_layers: int = 2, cell: str = "gru", dropout: float = 0.2):
+                 core_connectors: str = "eq9", gate: str = "p", attention_dim: int = 75,
+                 char_dim: int = 8, char_hidden: int = 75, cell: str = "gru",
+                 dropout: float = 0.2):
         super().__init__()
-        if not (use_enc or use_core):
-            raise UserError("DecaProp needs DecaEnc or DecaCore (use_enc or use_core)")
-        bac = dict(proj_dim=attention_dim, k=factors, compressor=compressor)
+        bac = dict(proj_dim=attention_dim, k=factors, compressor=compressor, cell=cell,
+                   dropout=dropout)
         self.embed = InputEncoder(vocab, char_dim=char_dim, char_hidden=char_hidden, cell=cell,
-                                  highway_layers=highway_layers, dropout=dropout)
+                                  dropout=dropout)
         self.enc = DecaEnc(self.embed.out_dim, hidden, n_layers=n_layers, dense=use_enc,
-                           cross_hierarchy=cross_hierarchy, cell=cell, dropout=dropout, **bac)
-        self.core = (DecaCore(self.enc.out_dim, hidden, n_layers=n_layers,
-                              gated=gated_attention, cell=cell, dropout=dropout, **bac)
-                     if use_core else None)
-        m_dim = self.core.out_dim if use_core else self.enc.out_dim
-        self.pointer = BiRNNPointer(m_dim, hidden, cell=cell, dropout=dropout)
+                           cross_hierarchy=cross_hierarchy, **bac)
+        self.core = DecaCore(self.enc.out_dim, hidden, n_layers=n_layers, dense=dense_core,
+                             connectors=core_connectors, attention=gated_attention, gate=gate,
+                             **bac)
+        self.pointer = BiRNNPointer(self.core.out_dim, hidden, cell=cell, dropout=dropout)
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         c_mask, q_mask = batch["c_mask"], batch["q_mask"]
         p, q = self.embed(batch)
-        (p, q), layers, z = self.enc(p, q, c_mask, q_mask)
-        # DecaEnc's passage-side connector features [B, Lc, pairs, 3], for inspection.
-        out = {"connectors": z[0].float()} if z is not None else {}
-        if self.core is None:  # ablation (2): the top same-level BAC's attention
-            top = self.enc.n_layers - 1
-            m = p
-            attn = self.enc.bacs[f"{top}_{top}"].attention(layers[0][top], layers[1][top], q_mask)
-        else:
-            m, attn = self.core(p, q, c_mask, q_mask, layers)
+        (p, q), layers, _ = self.enc(p, q, c_mask, q_mask)
+        m, attn = self.core(p, q, c_mask, q_mask, layers)
         start, end = self.pointer(m, c_mask)
-        return {"start_logits": start, "end_logits": end, "attention": attn.float(), **out}
+        return {"start_logits": start, "end_logits": end,
+                **({"attention": attn.float()} if attn is not None else {})}
+
+    def analysis(self, split) -> dict:
+        """The connector figure's payload: DecaEnc's passage-side features ``Z_p`` (Eq. 5) for
+        the first words of the first dev examples, with the layer pairs and the words."""
+        if not self.enc.dense:
+            return {}
+        picks = np.arange(min(ANALYSIS_EXAMPLES, len(split)))
+        device = next(self.parameters()).device
+        batch = {k: v.to(device) for k, v in split.collate(picks).items()}
+        p, q = self.embed(batch)
+        *_, (z_p, _) = self.enc(p, q, batch["c_mask"], batch["q_mask"])
+        examples = []
+        for b, i in enumerate(picks.tolist()):
+            n = min(int(batch["c_mask"][b].sum()), ANALYSIS_TOKENS)
+            examples.append({
+                "index": i, "question": split.question(i), "tokens": split.tokens(i)[:n],
+                "features": np.round(z_p[b, :n].float().cpu().numpy(), 4).tolist(),
+                "mean_abs": np.round(z_p[b, :int(batch["c_mask"][b].sum())].abs().mean((0, 2))
+                                     .float().cpu().numpy(), 4).tolist()})
+        return {"pairs": [list(pair) for pair in self.enc.pairs], "examples": examples}

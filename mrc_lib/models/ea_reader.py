@@ -1,29 +1,38 @@
 """EA Reader: multi-space bit-wise attention and a writable memory (Fu & Zhang, AAAI 2019).
 
-A cloze reader: a document ``d_1..d_n``, a query with a blank and a set of candidate words; the
-answer is the candidate that fills the blank.
+A cloze reader: a document ``d_1..d_m``, a query with a blank and a set of candidates that occur
+in the document; the answer is the candidate that fills the blank.
 
-* Encoders (Eq. 1): BiGRUs over the document, ``D = [d_1..d_n]`` (``[B, n, 2h]``), and over the
-  query, whose final forward and backward states give the query vector ``q`` (``[B, 2h]``).
+* Encoders (Eq. 1): BiGRUs over the document, ``D = [d_1..d_m]`` (``[B, m, 2h]``), and over the
+  query, whose last forward and backward states give the query vector ``q`` (``[B, 2h]``).
 * MSCF, Multi-Space based Context Fusion (Eqs. 2, 5-7): ``D`` and ``q`` are projected into ``L``
-  subspaces of width ``2h/L`` (Eq. 2); in each, a *bit-wise* score map
-  ``A^l = W_a^l tanh(D^l ⊙ q^l)`` gives one score per token *and feature*, normalized over the
-  tokens separately for every feature (Eq. 5); ``c^l = Σ_i Ã^l_{:,i} ⊙ d^l_i`` (Eq. 6) and
-  ``o = relu(W_c [c^1; ...; c^L])`` (Eq. 7). Token-wise scoring functions (one score per token,
-  shared by its features) replace the bit-wise one for comparison: bilinear ``d^T W q``
-  (Eq. 3, the Stanford Attentive Reader's), additive ``v^T tanh(W_1 d + W_2 q)`` (Eq. 4), dot
-  product, and the scaled dot product per subspace, i.e. multi-head attention.
-* Multi-hop reading (Eqs. 8-10), weights shared across the ``T`` hops: the memory starts as
-  ``M_0 = D`` and the state as ``s_0 = q``; hop ``t`` *reads* ``e_t = MSCF(M_t, s_t)``,
-  *updates* ``s_{t+1} = W_s s_t + e_t`` (Eq. 8) and *writes*
-  ``M_{t+1} = G_t ⊙ (e_t ⊗ 1) + (1 − G_t) ⊙ M_t`` through the gate
-  ``G_t = σ(W_e [e_t ⊗ 1] + W_m M_t)`` (Eqs. 9-10), ``e_t ⊗ 1`` being ``e_t`` repeated at
-  every token. Without write, ``M_t = D`` at every hop.
-* Answer (Eq. 11 restricted to the candidates): a token distribution
-  ``α_i = softmax_i(m_i^T W_o s_T)`` over the final memory, summed over each candidate's
-  occurrences in the document (as attention-sum readers do) and renormalized over the
-  candidates: ``P(c) ∝ Σ_{i: d_i = c} α_i``. In logits: ``logsumexp`` of the token scores over
-  the occurrences. A candidate that does not occur in the document gets probability 0.
+  subspaces of width ``2h/L`` (Eq. 2); in each, the *bit-wise* score map
+  ``A^l_{:,i} = W^l tanh(d^l_i ⊙ q^l)`` gives one score per token *and feature*, normalized over
+  the tokens separately for every feature (Eq. 5); ``c^l = Σ_i Ã^l_{:,i} ⊙ d^l_i`` (Eq. 6) and
+  ``o = relu(W_c [c^1; ...; c^L])`` (Eq. 7).
+* Token-wise scoring functions for the ablations (one score per token, shared by its
+  features): bilinear ``(d^l_i)^T W_b^l q^l`` (Eq. 3, the Stanford AR's), additive
+  ``(w^l)^T tanh(W_1^l d^l_i + W_2^l q^l)`` (Eq. 4), the dot product ``(d^l_i)^T q^l``
+  (the paper's "multiplicative attention", Table 3) and multi-head attention (Vaswani et al.,
+  2017; Table 3), which adds to Eq. 2's query and key projections a value projection
+  ``v^l_i = W_v^l d_i`` and scores ``(d^l_i)^T q^l / sqrt(2h/L)``; its output projection is
+  Eq. 7's ``W_c``.
+* Multi-hop reading (Eqs. 8-10): the memory starts as ``M_0 = D`` and the state as ``s_0 = q``;
+  hop ``t`` *reads* ``e_t = MSCF(M_t, s_t)``, *updates* ``s_{t+1} = W_s s_t + e_t`` (Eq. 8) and
+  *writes* ``M_{t+1} = G_t ⊙ (e_t ⊗ r_m) + (1 − G_t) ⊙ M_t`` through the gate
+  ``G_t = σ(W_e [e_t ⊗ r_m] + W_m M_t)`` (Eqs. 9-10), ``e_t ⊗ r_m`` being ``e_t`` repeated at
+  every token. ``W_s``, ``W_e``, ``W_m`` are shared across hops, as the paper states. Whether
+  MSCF is shared the paper does not say; we read "multiple memory modules are stacked" as one
+  MSCF per hop (default) and offer ``share_mscf=True``. Without write, ``M_t = D``.
+* Answer (Eq. 11): ``p = softmax(W_a s_T)`` restricted to the candidates that occur in the
+  document. ``W_a`` is tied to the word embeddings through a learned projection,
+  ``W_a = E P`` (our choice: the paper does not say how ``W_a`` is parameterized; tying
+  gives an answer never seen in training a GloVe-initialized row, and an anonymized marker
+  ``@entityN`` its own trained row). ``readout="context"`` answers from the last context
+  vector ``o`` instead of ``s_T``: the Stanford AR's classifier.
+* ``answer="pointer_sum"`` (not the paper's answer layer, which the paper explicitly contrasts
+  with pointer-sum attention): token scores ``z_i = m_i^T W_o s_T`` over the final memory,
+  ``α = softmax(z)`` summed over each candidate's occurrences (Kadlec et al., 2016).
 """
 
 from __future__ import annotations
@@ -36,26 +45,28 @@ from torch import Tensor, nn
 from mrc_lib.errors import UserError
 from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax
 
-TOKENWISE = ("bilinear", "additive", "dot", "scaled_dot")
-SCORINGS = ("bitwise", *TOKENWISE)
+TOKENWISE = ("bilinear", "additive", "dot")
+SCORINGS = ("bitwise", *TOKENWISE, "multihead")
+ANSWERS = ("final_state", "pointer_sum")
+READOUTS = ("state", "context")
 
 
 class BitwiseScore(nn.Module):
-    """``A_{:,i} = W_a tanh(d_i ⊙ q)`` (Eq. 5): one score per token and feature, ``[B, n, k]``.
+    """``A_{:,i} = W tanh(d_i ⊙ q)`` (Eq. 5): one score per token and feature, ``[B, m, k]``.
 
-    ``W_a`` has no bias: a per-feature constant cancels in the softmax over tokens.
+    ``W`` has no bias: a per-feature constant cancels in the softmax over tokens.
     """
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.W_a = nn.Linear(dim, dim, bias=False)
+        self.W = nn.Linear(dim, dim, bias=False)
 
     def forward(self, d: Tensor, q: Tensor) -> Tensor:
-        return self.W_a(torch.tanh(d * q.unsqueeze(1)))
+        return self.W(torch.tanh(d * q.unsqueeze(1)))
 
 
 class TokenwiseScore(nn.Module):
-    """One score per token, ``[B, n, 1]``, from a :mod:`mrc_lib.nn` similarity function
+    """One score per token, ``[B, m, 1]``, from a :mod:`mrc_lib.nn` similarity function
     (bilinear Eq. 3, additive Eq. 4, dot, scaled dot), shared by all features of the token."""
 
     def __init__(self, name: str, dim: int) -> None:
@@ -71,47 +82,59 @@ def build_score(scoring: str, dim: int) -> nn.Module:
         return BitwiseScore(dim)
     if scoring in TOKENWISE:
         return TokenwiseScore(scoring, dim)
+    if scoring == "multihead":
+        return TokenwiseScore("scaled_dot", dim)
     raise UserError(f"unknown scoring {scoring!r}; choose one of {', '.join(SCORINGS)}")
 
 
-class MSCF(nn.Module):
-    """Multi-Space based Context Fusion (Eqs. 2, 5-7).
+def projection(dim: int, learned: bool) -> nn.Module:
+    """The ``L`` maps ``W^l`` of Eq. 2, each ``2h → 2h/L``, as the row blocks of one
+    ``2h × 2h`` matrix; identity maps (``D^l`` = the ``l``-th block of features) if not
+    ``learned``."""
+    return nn.Linear(dim, dim, bias=False) if learned else nn.Identity()
 
-    The ``L`` projections ``W^l_d`` (and ``W^l_q``) of Eq. 2, each ``2h → 2h/L``, are the row
-    blocks of one ``2h × 2h`` matrix. ``fusion=False`` (only with ``L = 1``) drops the
-    projections and the fusion layer: ``o = c``, the Stanford Attentive Reader's output.
+
+class MSCF(nn.Module):
+    """Multi-Space based Context Fusion (Eqs. 2, 5-7) and its ablations.
+
+    ``projections=False``: identity maps in Eq. 2 (one reading of Table 1's "w/o multi-space
+    projections"; the other is ``subspaces=1``). ``fusion=False`` (only with ``L = 1``) also
+    drops the fusion layer: ``o = c``, the Stanford AR's output.
     """
 
     def __init__(self, dim: int, subspaces: int = 6, scoring: str = "bitwise",
-                 fusion: bool = True) -> None:
+                 fusion: bool = True, projections: bool = True) -> None:
         super().__init__()
         if dim % subspaces:
             raise UserError(f"2h = {dim} is not divisible by the number of subspaces {subspaces}")
         if not fusion and subspaces != 1:
             raise UserError("fusion=False (Stanford AR) needs a single space (subspaces=1)")
         self.L, self.k = subspaces, dim // subspaces
-        self.project_d = nn.Linear(dim, dim, bias=False) if fusion else nn.Identity()  # Eq. 2
-        self.project_q = nn.Linear(dim, dim, bias=False) if fusion else nn.Identity()
+        learned = projections and fusion
+        self.project_d = projection(dim, learned)  # Eq. 2, W_d^l
+        self.project_q = projection(dim, learned)  # Eq. 2, W_q^l
+        self.project_v = projection(dim, True) if scoring == "multihead" else None  # W_v^l
         self.scores = nn.ModuleList(build_score(scoring, self.k) for _ in range(subspaces))
         self.fuse = nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) if fusion else nn.Identity()
 
     def forward(self, D: Tensor, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """``D [B, n, 2h]``, ``q [B, 2h]``, ``mask [B, n]`` to the context vector ``o``
-        (``[B, 2h]``) and the attention ``Ã`` (``[B, n, L, k]``, zero at padding)."""
-        B, n, dim = D.shape
-        D_l = self.project_d(D).view(B, n, self.L, self.k)  # Eq. 2
+        """``D [B, m, 2h]``, ``q [B, 2h]``, ``mask [B, m]`` to the context vector ``o``
+        (``[B, 2h]``) and the attention ``Ã`` (``[B, m, L, k]``, zero at padding)."""
+        B, m, dim = D.shape
+        D_l = self.project_d(D).view(B, m, self.L, self.k)  # Eq. 2
         q_l = self.project_q(q).view(B, self.L, self.k)
         A = torch.stack([score(D_l[:, :, l], q_l[:, l]) for l, score in enumerate(self.scores)],
-                        dim=2)  # [B, n, L, k] bit-wise, [B, n, L, 1] token-wise
+                        dim=2)  # [B, m, L, k] bit-wise, [B, m, L, 1] token-wise
         A = masked_softmax(A, mask[:, :, None, None], dim=1)  # Eq. 5: over tokens, per feature
-        A = A.expand(B, n, self.L, self.k)
-        c = (A * D_l).sum(dim=1)  # Eq. 6: c^l = Σ_i Ã^l_{:,i} ⊙ d^l_i, [B, L, k]
+        A = A.expand(B, m, self.L, self.k)
+        values = D_l if self.project_v is None else self.project_v(D).view(B, m, self.L, self.k)
+        c = (A * values).sum(dim=1)  # Eq. 6: c^l = Σ_i Ã^l_{:,i} ⊙ d^l_i, [B, L, k]
         return self.fuse(c.reshape(B, dim)), A  # Eq. 7
 
 
 class MemoryWrite(nn.Module):
-    """Gated write (Eqs. 9-10): ``G = σ(W_e [e ⊗ 1] + W_m M)``,
-    ``M' = G ⊙ (e ⊗ 1) + (1 − G) ⊙ M``; padding rows stay 0."""
+    """Gated write (Eqs. 9-10): ``G = σ(W_e [e ⊗ r_m] + W_m M)``,
+    ``M' = G ⊙ (e ⊗ r_m) + (1 − G) ⊙ M``; padding rows stay 0."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -119,66 +142,133 @@ class MemoryWrite(nn.Module):
         self.W_m = nn.Linear(dim, dim, bias=False)
 
     def forward(self, M: Tensor, e: Tensor, mask: Tensor) -> Tensor:
-        e_tiled = e.unsqueeze(1).expand_as(M)  # e ⊗ 1
+        e_tiled = e.unsqueeze(1).expand_as(M)  # e ⊗ r_m
         G = torch.sigmoid(self.W_e(e_tiled) + self.W_m(M))  # Eq. 9
         M_next = G * e_tiled + (1 - G) * M  # Eq. 10
         return M_next.masked_fill(~mask.unsqueeze(-1), 0.0)
 
 
-def candidate_logits(z: Tensor, doc_forms: Tensor, doc_mask: Tensor, cand_forms: Tensor) -> Tensor:
-    """Candidate logits from token scores ``z [B, n]``: ``log Σ_{i: d_i = c} exp z_i``.
+def occurrences(doc_forms: Tensor, doc_mask: Tensor, cand_forms: Tensor) -> Tensor:
+    """``[B, C, m]``: whether document token ``i`` is candidate ``c`` (form 0 is padding)."""
+    return ((doc_forms.unsqueeze(1) == cand_forms.unsqueeze(2)) & doc_mask.unsqueeze(1)
+            & (cand_forms != 0).unsqueeze(2))
+
+
+def pointer_sum(z: Tensor, occurs: Tensor) -> Tensor:
+    """Candidate scores ``log Σ_{i: d_i = c} exp z_i`` from token scores ``z [B, m]``.
 
     Their softmax over the candidates is ``Σ_{i: d_i = c} α_i / Σ_{c'} Σ_{i: d_i = c'} α_i``
-    with ``α = softmax(z)``: attention summed over a candidate's occurrences and renormalized
-    over the candidates. A candidate without occurrence (or padding, form 0) is masked out.
+    with ``α = softmax(z)``. The score of a candidate without occurrence is meaningless: the
+    candidate mask removes it.
     """
-    occurs = ((doc_forms.unsqueeze(1) == cand_forms.unsqueeze(2)) & doc_mask.unsqueeze(1)
-              & (cand_forms != 0).unsqueeze(2))  # [B, C, n]
-    scores = mask_logits(z.unsqueeze(1).expand(occurs.shape), occurs)
-    return mask_logits(torch.logsumexp(scores, dim=-1), occurs.any(dim=-1))
+    return torch.logsumexp(mask_logits(z.unsqueeze(1).expand(occurs.shape), occurs), dim=-1)
+
+
+def restrict(logits: Tensor, candidates: Tensor) -> Tensor:
+    """Float32 scores with ``-inf`` outside the candidate mask: exact under any autocast dtype
+    (no finite "most negative" value to compare with float32 logits)."""
+    return logits.float().masked_fill(~candidates, float("-inf"))
 
 
 class EAReader(nn.Module):
-    """EA Reader and its ablations: ``subspaces`` (L), ``hops`` (T), ``write``, ``scoring``;
-    ``fusion=False`` with ``subspaces=1, scoring="bilinear", hops=1`` is the Stanford AR
-    reading step. Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1."""
+    """EA Reader and its ablations: ``subspaces`` (L), ``hops`` (T), ``write``, ``scoring``,
+    ``projections``, ``share_mscf``, ``answer``, ``readout``; ``fusion=False`` with
+    ``subspaces=1, scoring="bilinear", hops=1, readout="context"`` is the Stanford AR.
+    Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1."""
 
     def __init__(self, vectors: Tensor | np.ndarray, *, hidden: int = 240, subspaces: int = 6,
                  hops: int = 2, write: bool = True, scoring: str = "bitwise",
-                 fusion: bool = True, dropout: float = 0.1) -> None:
+                 fusion: bool = True, projections: bool = True, share_mscf: bool = False,
+                 answer: str = "final_state", readout: str = "state",
+                 dropout: float = 0.1) -> None:
         super().__init__()
-        vectors = torch.as_tensor(vectors, dtype=torch.float32)
-        self.hops = hops
+        if answer not in ANSWERS or readout not in READOUTS:
+            raise UserError(f"answer must be one of {ANSWERS}, readout one of {READOUTS}")
+        vectors = torch.as_tensor(vectors, dtype=torch.float32).clone()  # training updates it
+        self.hops, self.answer, self.readout = hops, answer, readout
         self.embed = nn.Embedding.from_pretrained(vectors, freeze=False, padding_idx=0)
         self.doc_encoder = RNN(vectors.shape[1], hidden, cell="gru", dropout=dropout)
         self.query_encoder = RNN(vectors.shape[1], hidden, cell="gru", dropout=dropout)
         dim = 2 * hidden
-        self.mscf = MSCF(dim, subspaces, scoring, fusion)
-        self.W_s = nn.Linear(dim, dim, bias=False)  # Eq. 8
+        self.mscf = nn.ModuleList(MSCF(dim, subspaces, scoring, fusion, projections)
+                                  for _ in range(1 if share_mscf else hops))
+        # Eq. 8; the Stanford AR (one hop, answer from o) has no state update.
+        self.W_s = nn.Linear(dim, dim, bias=False) if readout == "state" or hops > 1 else None
         self.write = MemoryWrite(dim) if write else None
-        self.W_o = nn.Linear(dim, dim, bias=False)  # answer scores m_i^T W_o s_T
+        if answer == "final_state":
+            self.P = nn.Linear(dim, vectors.shape[1], bias=False)  # Eq. 11: W_a = E P
+        else:
+            self.W_o = nn.Linear(dim, dim, bias=False)  # pointer-sum: z_i = m_i^T W_o s_T
 
-    def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Batch of :meth:`mrc_lib.data.cloze.ClozeSet.collate` to ``logits`` ``[B, C]`` over the
-        candidates and ``attention`` ``[B, T, n, L]`` (Ã of each hop, averaged over features)."""
+    def read(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+        """Eqs. 1-10: the last memory (``M_T`` when the pointer-sum answer reads it, else
+        ``M_{T-1}``), the state ``s_T``, the last context vector ``e_{T-1}`` and each hop's
+        attention ``Ã``."""
         mask = batch["doc_mask"]
         M = self.doc_encoder(self.embed(batch["doc_words"]), mask)  # Eq. 1: M_0 = D
         s = self.query_encoder.final_states(self.embed(batch["query_words"]),
                                             batch["query_mask"])  # s_0 = q
         attention = []
-        for _ in range(self.hops):
-            e, A = self.mscf(M, s, mask)  # read
-            s = self.W_s(s) + e  # update, Eq. 8
-            if self.write is not None:
-                M = self.write(M, e, mask)  # write, Eqs. 9-10
-            attention.append(A.mean(dim=-1))
-        z = (M @ self.W_o(s).unsqueeze(-1)).squeeze(-1)  # [B, n]
-        logits = candidate_logits(z, batch["doc_forms"], mask, batch["cand_forms"])  # Eq. 11
-        return {"logits": logits, "attention": torch.stack(attention, dim=1)}
+        for t in range(self.hops):
+            e, A = self.mscf[min(t, len(self.mscf) - 1)](M, s, mask)  # read
+            if self.W_s is not None:
+                s = self.W_s(s) + e  # update, Eq. 8
+            if self.write is not None and (t < self.hops - 1 or self.answer == "pointer_sum"):
+                M = self.write(M, e, mask)  # write, Eqs. 9-10 (M_T: read by pointer-sum only)
+            attention.append(A)
+        return M, s, e, attention
+
+    def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Batch of :meth:`mrc_lib.data.cloze.ClozeSet.collate` to ``logits`` ``[B, C]`` over the
+        candidates, the mask ``candidates`` ``[B, C]`` of those that occur in the document, and
+        ``attention`` ``[B, T, m, L]`` (Ã of each hop, averaged over features)."""
+        occurs = occurrences(batch["doc_forms"], batch["doc_mask"], batch["cand_forms"])
+        M, s, e, attention = self.read(batch)
+        x = s if self.readout == "state" else e  # s_T (Eq. 11), or o for the Stanford AR
+        if self.answer == "final_state":
+            E_c = self.embed(batch["cand_words"])  # [B, C, k], rows of E
+            logits = (E_c @ self.P(x).unsqueeze(-1)).squeeze(-1)  # Eq. 11: W_a x = E P x
+        else:
+            z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
+            logits = pointer_sum(z, occurs)
+        return {"logits": logits, "candidates": occurs.any(dim=-1),
+                "attention": torch.stack([A.mean(dim=-1) for A in attention], dim=1)}
+
+    @torch.no_grad()
+    def analysis(self, split, examples: int = 3, tokens: int = 80) -> dict:
+        """Figure payload for the first ``examples`` questions of ``split`` (a
+        :class:`mrc_lib.data.cloze.ReaderSplit`): their first ``tokens`` document tokens, the
+        query, candidates, answer, each hop's attention per subspace (averaged over features,
+        ``[T][n][L]``) and the candidate probabilities."""
+        index = list(range(min(examples, len(split))))
+        batch = {k: v.to(self.embed.weight.device) for k, v in split.collate(index).items()}
+        out = self(batch)
+        p = torch.softmax(restrict(out["logits"], out["candidates"]), dim=-1)
+        payload = []
+        for row, i in enumerate(index):
+            n = min(tokens, int(batch["doc_mask"][row].sum()))
+            cands = split.data.candidates[i]
+            payload.append({
+                "tokens": split.tokens(i)[:n], "query": split.question(i),
+                "answer": split.data.words[split.data.answer[i]],
+                "candidates": split.data.text(cands[cands != 0]),
+                "probabilities": [round(float(v), 4) for v in p[row, :int((cands != 0).sum())]],
+                "attention": [[[round(float(v), 5) for v in tok] for tok in hop[:n]]
+                              for hop in out["attention"][row].float().cpu()]})
+        return {"examples": payload}
 
 
-def cloze_loss(logits: Tensor, answer: Tensor) -> Tensor:
-    """Negative log-likelihood of the answer candidate, over the examples whose answer occurs in
-    the document (always true for Wiki-cloze; a CBT answer may be missing from the text)."""
-    reachable = logits.gather(1, answer.unsqueeze(1)).squeeze(1) > torch.finfo(logits.dtype).min
-    return F.cross_entropy(logits[reachable], answer[reachable])
+def cloze_loss(logits: Tensor, candidates: Tensor, answer: Tensor) -> Tensor:
+    """Negative log-likelihood of the answer among the candidates present in the document
+    (:func:`restrict`, float32), over the examples whose answer is present (always true for
+    Wiki-cloze; a CBT answer may be missing from the text)."""
+    scores = restrict(logits, candidates)
+    reachable = candidates.gather(1, answer.unsqueeze(1)).squeeze(1)
+    if not reachable.any():  # no answer to learn from: a zero that keeps the graph
+        return logits.float().sum() * 0.0
+    return F.cross_entropy(scores[reachable], answer[reachable])
+
+
+def predict(out: dict[str, Tensor]) -> Tensor:
+    """The highest-scoring candidate present in the document."""
+    return restrict(out["logits"], out["candidates"]).argmax(dim=-1)

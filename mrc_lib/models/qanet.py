@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.models import register
+from mrc_lib.models.bidaf import attention_payload
 from mrc_lib.models.inputs import InputEmbedding
 from mrc_lib.nn import CoAttention, EncoderBlock, mask_logits
 
@@ -118,3 +119,7 @@ class QANet(nn.Module):
         return {"start_logits": mask_logits(start.float(), c_mask),
                 "end_logits": mask_logits(end.float(), c_mask),
                 "attention": attn.float()}
+
+    def analysis(self, split) -> dict:
+        """Figure payload: the row-normalized similarity ``S̄`` of a few dev questions."""
+        return attention_payload(self, split)

@@ -1,0 +1,170 @@
+"""GPU bring-up: every registered reader forward and backward on the device, and its speed.
+
+    python benchmarks/gpu_bringup.py                      # CUDA, full-profile sizes
+    python benchmarks/gpu_bringup.py --compile            # also through torch.compile
+    python benchmarks/gpu_bringup.py --device cpu --tiny  # the script's own check (CI)
+
+For each reader of :data:`mrc_lib.models.MODELS` that the full profile configures, at its full
+profile's hyperparameters, batch size and precision (bf16 autocast where the profile sets
+``bf16``; the RNN readers whose profile turns it off run in TF32), on synthetic batches the size
+of SQuAD's (:mod:`mrc_lib.bench`):
+
+* one training step (the trainer's ``train_step``: forward, loss, backward, clipping, optimizer)
+  and a check that the loss and every gradient are finite;
+* training and inference examples per second after warm-up, at each ``--seq-len`` (context
+  tokens; the first one gives the epoch estimate: contexts are padded to a batch's longest, so
+  400 is an upper bound and the mean SQuAD context, about 140 tokens, a lower one);
+* seconds per SQuAD v1.1 training epoch (87,599 questions) at that rate;
+* peak memory (CUDA allocator; the process's peak RSS on CPU).
+
+A reader that fails is reported with its error and the others still run. The result goes to
+``benchmarks/results/gpu_<device>.json`` (or ``--out``). ``--tiny`` uses the smoke profile's
+shrunk readers, batches of 2 and one timed step: it checks the script, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mrc_lib.bench import (  # noqa: E402
+    SQUAD_TRAIN_EXAMPLES,
+    SyntheticVocab,
+    _seconds,
+    synthetic_batch,
+)
+from mrc_lib.config import resolve_config  # noqa: E402
+from mrc_lib.models import MODELS, build_model  # noqa: E402
+from mrc_lib.train import (  # noqa: E402
+    EMA,
+    autocast,
+    build_optimizer,
+    count_parameters,
+    device_name,
+    peak_memory_bytes,
+    resolve_device,
+    train_step,
+)
+from mrc_lib.utils import atomic_write_json  # noqa: E402
+
+
+def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
+    """A checked training step on ``batch``, then training and inference examples per second
+    and the seconds per SQuAD epoch at that rate."""
+    model.train()
+    loss = train_step(net, batch, optimizer, cfg, dev)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not torch.isfinite(loss) or not all(torch.isfinite(g).all() for g in grads):
+        raise FloatingPointError(f"non-finite loss or gradient at {batch['c_words'].shape[1]} "
+                                 "tokens")
+
+    def train_once():
+        train_step(net, batch, optimizer, cfg, dev)
+        if ema is not None:
+            ema.update(model)
+
+    @torch.no_grad()
+    def infer_once():
+        with autocast(cfg, dev):
+            net(batch)
+
+    train_s = _seconds(train_once, steps, dev)
+    model.eval()
+    infer_s = _seconds(infer_once, steps, dev)
+    rate = steps * cfg.batch_size / train_s
+    return {"train_examples_per_s": round(rate, 1),
+            "infer_examples_per_s": round(steps * cfg.batch_size / infer_s, 1),
+            "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
+
+
+def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
+            compile_: bool) -> dict:
+    """One reader's bring-up: a checked training step, then speeds and peak memory."""
+    profile = "smoke" if tiny else "full"
+    overrides = [f"device={device}"] + (["batch_size=2"] if tiny else [])
+    cfg = resolve_config(name, profile=profile, overrides=overrides)
+    dev = resolve_device(cfg.device)
+    torch.manual_seed(cfg.seed)
+    vocab = SyntheticVocab.random(size=2_000 if tiny else 72_498)
+    model = build_model(cfg.model, vocab, **cfg.hparams).to(dev)
+    net = torch.compile(model) if compile_ else model
+    optimizer = build_optimizer(cfg, model, dev)
+    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
+              "params": count_parameters(model), "speed": {}}
+    for k, seq_len in enumerate(seq_lens):
+        batch = {key: v.to(dev) for key, v in
+                 synthetic_batch(vocab, cfg.batch_size, seq_len, seed=k).items()}
+        result["speed"][str(seq_len)] = speed(net, model, batch, optimizer, ema, cfg, dev,
+                                              steps)
+    result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
+    result["peak_memory_bytes"] = peak_memory_bytes(dev)
+    return result
+
+
+def readers() -> list[str]:
+    """The registered readers that the full profile configures."""
+    from mrc_lib.config import profile_values
+    from mrc_lib.errors import UserError
+
+    names = []
+    for name in sorted(MODELS):
+        try:
+            profile_values("full", name)
+        except UserError:
+            continue
+        names.append(name)
+    return names
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="smoke-size readers: checks the script")
+    p.add_argument("--compile", action="store_true", help="train and infer via torch.compile")
+    p.add_argument("--seq-len", default="400,140", help="context lengths, comma-separated")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
+    p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    seq_lens = [16] if args.tiny else [int(s) for s in args.seq_len.split(",")]
+    steps = 1 if args.tiny else args.steps
+    dev = resolve_device(args.device)
+    results = {"device": device_name(dev), "torch": torch.__version__,
+               "cuda": torch.version.cuda, "compile": args.compile, "tiny": args.tiny,
+               "seq_lens": seq_lens, "steps": steps, "models": {}}
+    for name in args.models.split(",") if args.models else readers():
+        tic = time.perf_counter()
+        try:
+            results["models"][name] = measure(name, args.device, seq_lens, steps, args.tiny,
+                                              args.compile)
+        except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
+            results["models"][name] = {"error": f"{type(e).__name__}: {e}",
+                                       "traceback": traceback.format_exc(limit=-3)}
+        results["models"][name]["seconds"] = round(time.perf_counter() - tic, 1)
+        print(name, results["models"][name].get("epoch_seconds",
+                                                results["models"][name].get("error")),
+              flush=True)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpu_{slug(results['device'])}.json")
+    atomic_write_json(out, results)
+    print(out)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The comparison chapter's logic: run records read tolerantly, each reader's accuracy from
+them, and the papers' claims with a verdict computed from the records.
+
+A record is :mod:`mrc_lib.records`' JSON under ``book/runs/<chapter>/<run>.json``. A run
+counts for a claim side when its config matches the side's ``model``, ``dataset`` and
+``hparams`` (a subset), it is complete and at the ``full`` profile. A side with no such run
+is *not yet measured*, never a number.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+
+from mrc_lib.models import hparam_defaults
+from mrc_lib.records import BOOK_RUNS
+
+REPRODUCED, NOT_REPRODUCED, NOT_MEASURED = "reproduced", "not reproduced", "not yet measured"
+
+
+def load_records(root: str | Path = BOOK_RUNS) -> list[dict]:
+    """Every readable record under ``root/*/*.json``; none when the folder is absent. A file
+    that is not a record (unreadable, or no ``config``/``dev``) is skipped."""
+    found = []
+    for path in sorted(Path(root).glob("*/*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and "config" in record and "dev" in record:
+            found.append(record)
+    return found
+
+
+@dataclass(frozen=True)
+class Side:
+    """The runs one side of a claim names."""
+
+    model: str
+    dataset: str = "squad-v1.1"
+    hparams: dict = field(default_factory=dict)
+
+    @classmethod
+    def headline(cls, model: str, profile: str = "full") -> Side:
+        """The reader as its ``profile`` configures it (not an ablation of it)."""
+        from mrc_lib.config import resolve_config
+
+        cfg = resolve_config(model, profile=profile)
+        return cls(model, cfg.dataset, {**hparam_defaults(model), **cfg.hparams})
+
+    def matches(self, record: dict) -> bool:
+        config = record["config"]
+        if config.get("model") != self.model:
+            return False
+        hparams = {**hparam_defaults(self.model), **config.get("hparams", {})}
+        return (config.get("dataset") == self.dataset and config.get("profile") == "full"
+                and record.get("complete", True)
+                and all(hparams.get(k) == v for k, v in self.hparams.items()))
+
+
+def score(records: list[dict], side: Side, metric: str = "f1") -> float | None:
+    """The mean ``dev[metric]`` of the side's runs (seeds), or None when it has none."""
+    values = [r["dev"][metric] for r in records if side.matches(r) and metric in r["dev"]]
+    return mean(values) if values else None
+
+
+def speed(records: list[dict], side: Side) -> float | None:
+    """The mean training examples per second of the side's runs, or None."""
+    values = [r["examples_per_second"] for r in records
+              if side.matches(r) and r.get("examples_per_second")]
+    return mean(values) if values else None
+
+
+def verdict_better(ours: float | None, baseline: float | None) -> str:
+    """"A beats B": reproduced when our A scores above our B."""
+    if ours is None or baseline is None:
+        return NOT_MEASURED
+    return REPRODUCED if ours > baseline else NOT_REPRODUCED
+
+
+def verdict_all_better(pairs: list[tuple[float | None, float | None]]) -> str:
+    """"A helps every base": reproduced when it beats each base; not yet measured while any
+    pair is missing."""
+    verdicts = [verdict_better(a, b) for a, b in pairs]
+    if NOT_MEASURED in verdicts:
+        return NOT_MEASURED
+    return REPRODUCED if all(v == REPRODUCED for v in verdicts) else NOT_REPRODUCED
+
+
+def verdict_faster_similar(speed_a: float | None, speed_b: float | None, f1_a: float | None,
+                           f1_b: float | None, tolerance: float = 1.0) -> str:
+    """"A is faster than B at similar accuracy": A trains more examples per second and its F1
+    is within ``tolerance`` points of B's (the paper's own gap, 80.1 vs 79.5, is 0.6)."""
+    if None in (speed_a, speed_b, f1_a, f1_b):
+        return NOT_MEASURED
+    return REPRODUCED if speed_a > speed_b and f1_a >= f1_b - tolerance else NOT_REPRODUCED
+
+
+def fmt(value: float | None) -> str:
+    return "not measured" if value is None else f"{value:.2f}"
+
+
+def claims(records: list[dict]) -> list[list]:
+    """Rows ``[claim, paper's numbers (table named), ours, verdict]`` of the papers' claims."""
+    rnet, decaprop = Side.headline("rnet"), Side.headline("decaprop")
+    # Table 2's like-for-like rows: both without the extra question encoders (QPAtt+)
+    aligner = Side("iterative_aligner", hparams={"qpatt_plus": False})
+    phasecond = Side("phasecond", hparams={"qpatt_plus": False})
+    fullsan = Side("dynsan", hparams={"block": "fullsan"})
+    dynsan = Side("dynsan", hparams={"block": "dynsa"})
+    v2 = "squad-v2.0"
+    bases = [(name, Side(model, v2, {"aba": False}), Side(model, v2, {"aba": True}))
+             for name, model in (("BiDAF++", "bidafpp"), ("QANet", "qanet_na"))]
+    base_scores = [(score(records, with_aba), score(records, base))
+                   for _, base, with_aba in bases]
+    return [
+        ["DecaProp beats R-NET (SQuAD v1.1 dev F1)",
+         "Tay et al. (2018), Table 6: DecaProp 81.4 F1, R-NET (their re-implementation) 79.6",
+         f"DecaProp {fmt(score(records, decaprop))}, R-NET {fmt(score(records, rnet))}",
+         verdict_better(score(records, decaprop), score(records, rnet))],
+        ["PhaseCond beats the Iterative Aligner (SQuAD v1.1 dev F1, mean of runs)",
+         "PhaseCond paper (ICLR 2018 submission), Table 2: PhaseCond 80.53, Iterative "
+         "Aligner 80.23 (F1 mean of five runs)",
+         f"PhaseCond {fmt(score(records, phasecond))}, Iterative Aligner "
+         f"{fmt(score(records, aligner))}",
+         verdict_better(score(records, phasecond), score(records, aligner))],
+        ["ABA helps both bases (SQuAD 2.0 dev F1)",
+         "Chen et al. (2021), Table 1: BiDAF++ 68.7 → 70.8, QANet 67.2 → 69.1 (F1)",
+         "; ".join(f"{name} {fmt(b)} → {fmt(a)}" for (name, _, _), (a, b)
+                   in zip(bases, base_scores)),
+         verdict_all_better(base_scores)],
+        ["DynSAN trains faster than full self-attention at similar accuracy (SQuAD v1.1 dev)",
+         "Zhuang & Wang (2019), Table 4: training speed-up over Bi-LSTM DynSAN 4.3x, Full SAN "
+         "3.5x; EM/F1 69.9/79.5 and 70.6/80.1",
+         f"examples/s DynSAN {fmt(speed(records, dynsan))}, full SAN "
+         f"{fmt(speed(records, fullsan))}; F1 {fmt(score(records, dynsan))} and "
+         f"{fmt(score(records, fullsan))}",
+         verdict_faster_similar(speed(records, dynsan), speed(records, fullsan),
+                                score(records, dynsan), score(records, fullsan))],
+    ]
+
+
+def span_readers(profile: str = "smoke") -> tuple[list[str], dict[str, str]]:
+    """The registry's span readers (``mrc_lib.models.MODELS``, enumerated), and the others with
+    why they are left out: a reader with a no-answer head is a SQuAD 2.0 reader, and one that
+    cannot read a span batch (or has no ``profile`` section) is another task's."""
+    import torch
+
+    from mrc_lib.bench import SyntheticVocab, synthetic_batch
+    from mrc_lib.config import resolve_config
+    from mrc_lib.models import MODELS, _import_readers, build_model
+
+    _import_readers()
+    vocab = SyntheticVocab.random(size=1000)
+    batch = synthetic_batch(vocab, 1, 32)
+    readers, excluded = [], {}
+    for name in sorted(MODELS):
+        try:
+            cfg = resolve_config(name, profile=profile)
+            with torch.no_grad():
+                out = build_model(name, vocab, **cfg.hparams).eval()(batch)
+        except Exception as e:  # noqa: BLE001 - any failure means: not a span reader here
+            excluded[name] = f"not a span reader on SQuAD batches ({type(e).__name__})"
+            continue
+        if "na_logits" in out:
+            excluded[name] = "no-answer head: a SQuAD 2.0 reader (chapter 04)"
+        elif "start_logits" in out:
+            readers.append(name)
+        else:
+            excluded[name] = "no span output"
+    return readers, excluded

@@ -1,0 +1,443 @@
+"""The queue of full-profile runs (``mrc_lib/queue.yaml``) and the packed runner.
+
+    python -m mrc_lib queue [--out DIR]                      # done / partial / missing
+    python -m mrc_lib queue run --minutes M --out DIR [--parallel N]
+    python -m mrc_lib queue pack --out DIR --to DEST          # DIR -> pieces of <= 15 MiB
+    python -m mrc_lib queue unpack --from DEST --out DIR      # the pieces -> DIR
+    python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
+
+The file lists, per chapter, every run the full book needs (its header documents the keys);
+:func:`load_queue` checks it and reports a bad entry in one line naming the file and entry.
+
+``queue run`` trains the highest-priority runs that have no record (partial runs first within
+a priority) as ``N`` concurrent worker processes on one device, starting the next as one ends,
+until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoints and stops
+cleanly at that deadline (checked between steps), and the same command on the same ``DIR``
+resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
+log, ``status.json``) and ``records/<chapter>/<run>.json`` for finished runs. Runs marked
+``runner: notebook`` (the EA Reader's cloze loop, DynSAN's multi-passage data) are left to
+``reproduce NAME --profile full``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from mrc_lib import records
+from mrc_lib.errors import UserError
+from mrc_lib.utils import atomic_write_bytes, atomic_write_json
+
+QUEUE_FILE = Path(__file__).parent / "queue.yaml"
+RUNNERS = ("packed", "notebook")
+NOTEBOOK_MODELS = ("ea_reader",)  # readers trained by their chapter's own loop
+EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
+PIECE_BYTES = 15 * 2**20
+PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
+LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of the queue file (see its header)."""
+
+    chapter: str
+    run: str
+    model: str
+    priority: int
+    minutes: float
+    schedule: str
+    dataset: str = "squad-v1.1"
+    overrides: tuple[str, ...] = ()
+    seeds: tuple[int, ...] = (0,)
+    runner: str = "packed"
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One seed of an entry: one run, one record."""
+
+    entry: Entry
+    seed: int
+    priority: int
+
+    @property
+    def name(self) -> str:
+        return self.entry.run.replace("{seed}", str(self.seed))
+
+    @property
+    def key(self) -> str:
+        return f"{self.entry.chapter}/{self.name}"
+
+    def config(self, profile: str = "full"):
+        from mrc_lib.config import resolve_config
+
+        e = self.entry
+        return resolve_config(e.model, e.dataset, profile,
+                              overrides=[*e.overrides, f"seed={self.seed}"])
+
+
+def _entry(path: Path, chapter: str, k: int, item) -> Entry:
+    where = f"{path}: {chapter}[{k}]"
+    if not isinstance(item, dict):
+        raise UserError(f"{where}: an entry is a mapping of {', '.join(_fields())}")
+    unknown = sorted(set(item) - set(_fields()))
+    if unknown:
+        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; known: "
+                        f"{', '.join(_fields())}")
+    try:
+        entry = Entry(chapter=chapter, **{
+            **item, "overrides": tuple(item.get("overrides", ())),
+            "seeds": tuple(item.get("seeds", (0,)))})
+    except TypeError as e:
+        raise UserError(f"{where}: {e}") from None
+    where = f"{where} ({entry.run})"
+    if entry.runner not in RUNNERS:
+        raise UserError(f"{where}: runner {entry.runner!r}; expected one of {', '.join(RUNNERS)}")
+    if entry.priority not in (1, 2, 3) or not entry.seeds:
+        raise UserError(f"{where}: priority must be 1, 2 or 3 and seeds a non-empty list")
+    if len(entry.seeds) > 1 and "{seed}" not in entry.run:
+        raise UserError(f"{where}: several seeds need '{{seed}}' in the run name")
+    _check_model(where, entry)
+    return entry
+
+
+def _fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(Entry) if f.name != "chapter"]
+
+
+def _check_model(where: str, entry: Entry) -> None:
+    from mrc_lib.models import MODELS
+
+    if entry.runner == "notebook" and entry.model in NOTEBOOK_MODELS:
+        return
+    if entry.model not in MODELS:
+        raise UserError(f"{where}: unknown model {entry.model!r}; known: "
+                        f"{', '.join(sorted([*MODELS, *NOTEBOOK_MODELS]))}")
+    if entry.runner == "packed":
+        try:
+            Job(entry, entry.seeds[0], entry.priority).config()
+        except UserError as e:
+            raise UserError(f"{where}: {e}") from None
+
+
+def load_queue(path: str | Path = QUEUE_FILE) -> list[Job]:
+    """Every job of the queue file, checked (a bad entry is a :class:`UserError`)."""
+    path = Path(path)
+    try:
+        sections = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"{path}: cannot read the queue: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(sections, dict):
+        raise UserError(f"{path}: the queue is a mapping of chapter -> list of entries")
+    jobs = []
+    for chapter, items in sections.items():
+        if not isinstance(items, list):
+            raise UserError(f"{path}: {chapter}: expected a list of entries")
+        for k, item in enumerate(items):
+            entry = _entry(path, chapter, k, item)
+            jobs += [Job(entry, s, entry.priority if i == 0 else
+                         max(entry.priority, EXTRA_SEED_PRIORITY))
+                     for i, s in enumerate(entry.seeds)]
+    names = [j.key for j in jobs]
+    if dupes := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"{path}: run names used twice: {', '.join(dupes)}")
+    return jobs
+
+
+# --- where each job stands ---------------------------------------------------------------------
+
+
+def record_of(job: Job, out: Path | None = None, profile: str = "full") -> dict | None:
+    """The job's record of the same config: in ``book/runs`` or in ``out/records``."""
+    config = job.config(profile).to_dict()
+    for root in (records.BOOK_RUNS, *([out / "records"] if out else [])):
+        path = records.record_path(job.entry.chapter, job.name, root)
+        if path.exists():
+            record = records.read_record(path)
+            if record["config_hash"] == records.config_hash(config):
+                return record
+    return None
+
+
+def progress_of(job: Job, out: Path | None) -> dict | None:
+    """The ``status.json`` a worker left in the job's run folder, if any."""
+    path = out / job.entry.chapter / job.name / "status.json" if out else None
+    if path is None or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: corrupt run status: {e}") from None
+
+
+def state_of(job: Job, out: Path | None, profile: str = "full") -> tuple[str, float]:
+    """``(done | partial | missing | notebook, fraction done)``."""
+    if job.entry.runner == "packed" and record_of(job, out, profile) is not None:
+        return "done", 1.0
+    if job.entry.runner == "notebook":
+        return "notebook", 0.0
+    status = progress_of(job, out)
+    if status is None:
+        return "missing", 0.0
+    return "partial", min(status["fraction"], 0.99)
+
+
+def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full") -> str:
+    """One line per job, then the GPU-minutes done and left."""
+    lines = [f"{'state':9} {'prio':>4} {'min':>5}  run"]
+    done = left = 0.0
+    for job in sorted(jobs, key=lambda j: (j.entry.chapter, j.priority)):
+        state, fraction = state_of(job, out, profile)
+        done += job.entry.minutes * fraction
+        left += job.entry.minutes * (1 - fraction)
+        lines.append(f"{state:9} {job.priority:>4} {job.entry.minutes:>5.0f}  {job.key}")
+    counts = {s: sum(line.startswith(s) for line in lines[1:])
+              for s in ("done", "partial", "missing", "notebook")}
+    lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) +
+                 f"; GPU-minutes (H100, estimated) done {done:.0f}, left {left:.0f}")
+    return "\n".join(lines)
+
+
+# --- the packed runner -------------------------------------------------------------------------
+
+
+def pending(jobs: list[Job], out: Path, profile: str = "full") -> list[Job]:
+    """Packed jobs without a record, by priority, partial ones first, then in file order."""
+    todo = [(j, state_of(j, out, profile)[0]) for j in jobs if j.entry.runner == "packed"]
+    todo = [(j, s) for j, s in todo if s in ("missing", "partial")]
+    return [j for j, s in sorted(todo, key=lambda js: (js[0].priority, js[1] != "partial"))]
+
+
+def work(job: Job, out: Path, deadline: float | None, profile: str = "full") -> dict:
+    """Train ``job`` in ``out/<chapter>/<run>`` until it ends or ``deadline``; write its
+    ``status.json`` and, once it is complete, its record under ``out/records``."""
+    from mrc_lib.train import load_data, train
+
+    if job.entry.runner != "packed":
+        raise UserError(f"{job.key} is trained by its chapter's own loop (runner: notebook): "
+                        "the packed runner cannot run it yet; use `python -m mrc_lib reproduce "
+                        f"{job.entry.chapter} --profile full` on the GPU")
+    cfg = job.config(profile)
+    folder = out / job.entry.chapter / job.name
+    metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(),
+                    data=load_data(cfg), deadline=deadline)
+    total = cfg.max_steps or None
+    fraction = (metrics["steps"] / total if total else
+                metrics["epochs_run"] / cfg.epochs) if not metrics["complete"] else 1.0
+    atomic_write_json(folder / "status.json", {"complete": metrics["complete"],
+                                               "steps": metrics["steps"],
+                                               "epochs_run": metrics["epochs_run"],
+                                               "fraction": fraction})
+    if metrics["complete"]:
+        records.write_record(records.record_path(job.entry.chapter, job.name, out / "records"),
+                             records.make_record(metrics, chapter=job.entry.chapter,
+                                                 run=job.name, log_path=folder / "log.jsonl"))
+    return metrics
+
+
+def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
+              reserve: float = 60.0, profile: str = "full", queue_file: Path = QUEUE_FILE,
+              log=print) -> dict[str, int]:
+    """Run the pending jobs as ``parallel`` worker processes until ``minutes`` minus
+    ``reserve`` seconds from now (the trainers' deadline); return each started job's exit
+    status (0: complete or cleanly stopped)."""
+    deadline = time.time() + 60 * minutes - reserve
+    todo = pending(jobs, out, profile)
+    notebook = sorted({j.entry.chapter for j in jobs if j.entry.runner == "notebook"})
+    if notebook:
+        log(f"not run here (runner: notebook, use `reproduce NAME --profile full`): "
+            f"{', '.join(notebook)}")
+    running: dict[str, tuple[subprocess.Popen, object]] = {}
+    codes: dict[str, int] = {}
+    out.mkdir(parents=True, exist_ok=True)
+    while todo or running:
+        while todo and len(running) < parallel and time.time() < deadline:
+            job = todo.pop(0)
+            log(f"start {job.key} (priority {job.priority}, ~{job.entry.minutes:.0f} min)")
+            folder = out / job.entry.chapter / job.name
+            folder.mkdir(parents=True, exist_ok=True)
+            log_file = open(folder / "worker.log", "ab")  # noqa: SIM115 (closed when it ends)
+            running[job.key] = (subprocess.Popen(
+                [sys.executable, "-m", "mrc_lib", "queue", "work", "--out", str(out),
+                 "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
+                 "--profile", profile],
+                stdout=log_file, stderr=subprocess.STDOUT), log_file)
+        if not running:
+            break
+        time.sleep(0.2)
+        for key, (proc, log_file) in list(running.items()):
+            if proc.poll() is not None:
+                codes[key] = proc.returncode
+                log_file.close()
+                del running[key]
+                log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
+                    f"(exit {proc.returncode}; log {out / key / 'worker.log'})")
+    return codes
+
+
+def find_job(jobs: list[Job], key: str) -> Job:
+    for job in jobs:
+        if job.key == key:
+            return job
+    raise UserError(f"no run {key!r} in the queue")
+
+
+# --- moving DIR to and from a GPU machine ------------------------------------------------------
+
+
+def _members(out: Path, budget: int) -> tuple[list[Path], list[str]]:
+    """The files of ``out`` worth bringing back within ``budget`` bytes: every record and
+    run status, then whole run folders of partial runs (checkpoint parts included) while they
+    fit; complete runs' checkpoints stay behind (their record is what counts)."""
+    keep = sorted(p for p in (out / "records").rglob("*.json")) if (out / "records").is_dir() \
+        else []
+    used, left_out = sum(p.stat().st_size for p in keep), []
+    for status in sorted(out.glob("*/**/status.json")):
+        folder = status.parent
+        if json.loads(status.read_text(encoding="utf-8"))["complete"]:
+            keep.append(status)
+            continue
+        files = [p for p in folder.rglob("*") if p.is_file() and
+                 not any(part in LEFT_BEHIND for part in p.relative_to(folder).parts)
+                 and not p.name.endswith(".part")]
+        size = sum(p.stat().st_size for p in files)
+        if used + size > budget:
+            left_out.append(str(folder.relative_to(out)))
+            continue
+        keep += files
+        used += size
+    return keep, left_out
+
+
+def pack(out: Path, dest: Path, budget: int = PACK_BUDGET) -> tuple[list[Path], list[str]]:
+    """Write ``out``'s records and partial runs as one tar cut into pieces of at most 15 MiB,
+    ``dest/queue.tar.000``, ... plus ``dest/queue.json`` (their sizes and SHA-256): at most
+    five files, under the 64 MiB that may come back per command. Returns the files written and
+    the partial runs left out for lack of room."""
+    members, left_out = _members(out, budget)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in members:
+            tar.add(path, arcname=str(path.relative_to(out)))
+    blob = buffer.getvalue()
+    dest.mkdir(parents=True, exist_ok=True)
+    pieces = []
+    for k, start in enumerate(range(0, max(len(blob), 1), PIECE_BYTES)):
+        chunk = blob[start:start + PIECE_BYTES]
+        atomic_write_bytes(dest / f"queue.tar.{k:03d}", chunk)
+        pieces.append({"name": f"queue.tar.{k:03d}", "bytes": len(chunk),
+                       "sha256": hashlib.sha256(chunk).hexdigest()})
+    atomic_write_json(dest / "queue.json", {"pieces": pieces, "left_out": left_out})
+    return [dest / "queue.json", *(dest / p["name"] for p in pieces)], left_out
+
+
+def unpack(source: Path, out: Path) -> list[str]:
+    """Join and check the pieces :func:`pack` wrote in ``source`` and extract them into
+    ``out`` (replacing those runs' files); a missing or corrupt piece is a one-line error."""
+    manifest = source / "queue.json"
+    try:
+        pieces = json.loads(manifest.read_text(encoding="utf-8"))["pieces"]
+    except FileNotFoundError:
+        raise UserError(f"{manifest}: no packed queue here") from None
+    except (json.JSONDecodeError, KeyError) as e:
+        raise UserError(f"{manifest}: corrupt manifest: {e}") from None
+    chunks = []
+    for piece in pieces:
+        path = source / piece["name"]
+        if not path.is_file():
+            raise UserError(f"{path}: piece missing (listed in {manifest})")
+        chunk = path.read_bytes()
+        if len(chunk) != piece["bytes"] or hashlib.sha256(chunk).hexdigest() != piece["sha256"]:
+            raise UserError(f"{path}: piece corrupt (size or SHA-256 differs from {manifest})")
+        chunks.append(chunk)
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r") as tar:
+        names = tar.getnames()
+        tar.extractall(out, filter="data")
+    return names
+
+
+def import_records(out: Path) -> list[Path]:
+    """Copy ``out/records/<chapter>/<run>.json`` into ``book/runs`` (each one checked)."""
+    copied = []
+    for path in sorted((out / "records").rglob("*.json")):
+        record = records.read_record(path)
+        dest = records.record_path(record["chapter"], record["run"])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
+        copied.append(dest)
+    return copied
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def queue_cli(args) -> None:
+    """``python -m mrc_lib queue [run|work|pack|unpack|import]``."""
+    action = args.action or "status"
+    out = Path(args.out) if args.out else None
+    if action in ("run", "work", "pack", "import") and out is None:
+        raise UserError(f"queue {action} needs --out DIR")
+    if action == "pack":
+        files, left_out = pack(out, Path(args.to))
+        print("\n".join(map(str, files)))
+        if left_out:
+            print(f"left out for lack of room: {', '.join(left_out)}", file=sys.stderr)
+        return
+    if action == "unpack":
+        print(f"{len(unpack(Path(args.source), out))} files into {out}")
+        return
+    if action == "import":
+        print("\n".join(map(str, import_records(out))))
+        return
+    jobs = load_queue(args.file)
+    if action == "status":
+        print(status_table(jobs, out, args.profile))
+    elif action == "work":
+        work(find_job(jobs, args.job), out, args.deadline, args.profile)
+    else:
+        if args.parallel < 1:
+            raise UserError("--parallel must be at least 1")
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                         // args.parallel)))
+        codes = run_queue(jobs, out, args.minutes, args.parallel, args.reserve, args.profile,
+                          Path(args.file))
+        print(status_table(jobs, out, args.profile))
+        if any(codes.values()):
+            raise UserError(f"{sum(c != 0 for c in codes.values())} worker(s) failed: "
+                            + ", ".join(k for k, c in codes.items() if c))
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("queue", help="the full-profile runs: status, packed runner, transfer")
+    s.add_argument("action", nargs="?", choices=["status", "run", "work", "pack", "unpack",
+                                                 "import"])
+    s.add_argument("--file", default=str(QUEUE_FILE), help="the queue file")
+    s.add_argument("--out", default=None, help="the runner's folder (runs, records)")
+    s.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of `run`")
+    s.add_argument("--parallel", type=int, default=1, help="concurrent worker processes")
+    s.add_argument("--reserve", type=float, default=60.0,
+                   help="seconds before the end at which trainers checkpoint and stop")
+    s.add_argument("--profile", default="full", help=argparse.SUPPRESS)
+    s.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    s.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    s.add_argument("--to", default=None, help="pack: the folder to write the pieces to")
+    s.add_argument("--from", dest="source", default=None, help="unpack: the pieces' folder")
+    s.set_defaults(func=queue_cli)
+

@@ -1,0 +1,118 @@
+"""Run records: what a finished training run measured, small enough to commit.
+
+A record is one JSON file, ``book/runs/<chapter>/<run>.json`` for a full-profile run (committed)
+and ``<run folder>/record.json`` for any other profile (under ``runs/``, not committed, so that
+smoke runs never churn the book). It holds the trainer's metrics (final and per-epoch dev
+scores, train loss, seconds per epoch, parameters, device, torch/CUDA versions, commit, data
+digests, the resolved config and the reader's ``analysis`` payload) plus the chapter, the run's
+name, the training-loss curve (at most :data:`CURVE_POINTS` points of ``log.jsonl``), the run's
+config hash, the training examples per second and the wall time (training plus evaluation
+seconds, summed over every session that resumed it); predictions are never in it. It is
+written atomically and must stay under :data:`MAX_BYTES`.
+
+At the full profile a notebook's ``run.train(name, cfg, data)`` returns the record of ``name``
+instead of training when its config hash and data digests equal the new run's
+(:func:`lookup`); ``retrain`` forces training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from mrc_lib.errors import UserError
+from mrc_lib.utils import atomic_write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOK_RUNS = ROOT / "book" / "runs"
+MAX_BYTES = 1_000_000
+CURVE_POINTS = 200
+SCHEMA = 1
+# Config keys that do not change what a run computes (where and how it is checkpointed, logged
+# and evaluated in batches), left out of the hash so that a GPU run's record serves a CPU
+# re-execution of its chapter.
+UNHASHED = ("device", "compile", "checkpoint_every", "log_every", "eval_batch_size")
+REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests", "dev",
+            "history", "device")
+
+
+def config_hash(config: dict) -> str:
+    """SHA-256 (first 16 hex digits) of the resolved config without :data:`UNHASHED` keys."""
+    kept = {k: v for k, v in config.items() if k not in UNHASHED}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def record_path(chapter: str, run: str, root: Path | None = None) -> Path:
+    """Where the record of a chapter's full-profile run lives: under ``root`` (default
+    ``book/runs``, committed)."""
+    return (root or BOOK_RUNS) / chapter / f"{run}.json"
+
+
+def loss_curve(log_path: Path) -> list[list[float]]:
+    """``[step, mean training loss]`` of the run's ``log.jsonl``, thinned to at most
+    :data:`CURVE_POINTS` evenly spaced points (the last one kept)."""
+    if not log_path.exists():
+        return []
+    points = [[e["step"], round(e["loss"], 5)] for e in map(json.loads, log_path.open())
+              if e["event"] == "step"]
+    stride = -(-len(points) // CURVE_POINTS)
+    return points[::-1][::stride][::-1] if points else []
+
+
+def make_record(metrics: dict, *, chapter: str, run: str, log_path: Path | None = None) -> dict:
+    """The record of a finished run from the metrics :func:`mrc_lib.train.train` returned
+    (and the loss curve of its ``log_path``)."""
+    config = metrics["config"]
+    train_seconds = sum(metrics["seconds_per_epoch"])
+    wall = train_seconds + sum(h.get("eval_seconds", 0.0) for h in metrics["history"])
+    examples = metrics["steps"] * config["batch_size"] * metrics.get("world_size", 1)
+    return {"schema": SCHEMA, "chapter": chapter, "run": run,
+            "config_hash": config_hash(config), "wall_seconds": round(wall, 3),
+            "examples_per_second": round(examples / train_seconds, 1) if train_seconds else None,
+            "loss_curve": loss_curve(log_path) if log_path else [], **metrics}
+
+
+def write_record(path: str | Path, record: dict) -> Path:
+    """Write ``record`` atomically; a record over :data:`MAX_BYTES` is refused."""
+    path = Path(path)
+    text = json.dumps(record, indent=1, ensure_ascii=False)
+    if len(text.encode()) > MAX_BYTES:
+        raise UserError(f"{path}: record of {len(text.encode())} bytes is over {MAX_BYTES}; "
+                        "shrink the reader's analysis payload")
+    atomic_write_json(path, record, indent=1)
+    return path
+
+
+def read_record(path: str | Path) -> dict:
+    """A record, checked; a corrupt one is a one-line :class:`UserError` naming the file."""
+    path = Path(path)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: no run record") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: corrupt run record: {e}") from None
+    missing = [k for k in REQUIRED if not isinstance(record, dict) or k not in record]
+    if missing:
+        raise UserError(f"{path}: corrupt run record: missing {', '.join(missing)}")
+    return record
+
+
+def lookup(path: str | Path, config: dict, digests: dict) -> dict | None:
+    """The record at ``path`` if it is of the same config (hash) and data (digests), else
+    ``None`` (no record, or a stale one: the caller trains)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    record = read_record(path)
+    same = record["config_hash"] == config_hash(config) and record["data_digests"] == digests
+    return record if same else None
+
+
+def provenance(record: dict) -> str:
+    """Where and how a run was trained, for a table caption: device, schedule, profile."""
+    cfg = record["config"]
+    steps = f", {record['steps']} steps" if cfg.get("max_steps") else ""
+    return (f"{record['device']}, {record['epochs_run']} epoch(s) of batch {cfg['batch_size']}"
+            f"{steps}, {cfg['optimizer']}, profile {record.get('profile')}")

@@ -1,0 +1,81 @@
+"""The comparison chapter: records read tolerantly, verdicts computed from them."""
+
+import json
+
+from mrc_lib.comparison import (
+    NOT_MEASURED,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    Side,
+    claims,
+    load_records,
+    score,
+    verdict_all_better,
+    verdict_better,
+    verdict_faster_similar,
+)
+
+
+def record(model, f1, dataset="squad-v1.1", profile="full", eps=100.0, **hparams):
+    return {"config": {"model": model, "dataset": dataset, "profile": profile,
+                       "hparams": hparams}, "dev": {"f1": f1, "exact_match": f1 - 8},
+            "examples_per_second": eps, "complete": True}
+
+
+def test_verdicts():
+    assert verdict_better(81.4, 79.6) == REPRODUCED
+    assert verdict_better(79.0, 79.6) == NOT_REPRODUCED
+    assert verdict_better(None, 79.6) == verdict_better(81.0, None) == NOT_MEASURED
+    assert verdict_all_better([(70.8, 68.7), (69.1, 67.2)]) == REPRODUCED
+    assert verdict_all_better([(70.8, 68.7), (66.0, 67.2)]) == NOT_REPRODUCED
+    assert verdict_all_better([(66.0, 68.7), (None, 67.2)]) == NOT_MEASURED
+    assert verdict_faster_similar(4.3, 3.5, 79.5, 80.1) == REPRODUCED
+    assert verdict_faster_similar(3.0, 3.5, 79.5, 80.1) == NOT_REPRODUCED
+    assert verdict_faster_similar(4.3, 3.5, 78.0, 80.1) == NOT_REPRODUCED
+    assert verdict_faster_similar(4.3, None, 79.5, 80.1) == NOT_MEASURED
+
+
+def test_sides_select_full_complete_runs_of_their_reader():
+    runs = [record("rnet", 79.0), record("rnet", 81.0), record("rnet", 99.0, profile="smoke"),
+            {**record("rnet", 99.0), "complete": False}, record("bidafpp", 70.0, "squad-v2.0"),
+            record("bidafpp", 72.0, "squad-v2.0", aba=True)]
+    assert score(runs, Side("rnet")) == 80.0  # mean over seeds; smoke and partial runs ignored
+    assert score(runs, Side("decaprop")) is None
+    assert score(runs, Side("bidafpp", "squad-v2.0", {"aba": False})) == 70.0
+    assert score(runs, Side("bidafpp", "squad-v2.0", {"aba": True})) == 72.0
+
+
+def test_claims_without_records_are_not_yet_measured():
+    rows = claims([])
+    assert rows and all(r[-1] == NOT_MEASURED for r in rows)
+    assert all("not measured" in r[2] for r in rows)
+    rows = claims([record("decaprop", 81.0, **Side.headline("decaprop").hparams),
+                   record("rnet", 79.0, **Side.headline("rnet").hparams)])
+    assert rows[0][-1] == REPRODUCED and "DecaProp 81.00, R-NET 79.00" in rows[0][2]
+
+
+def test_load_records_tolerates_absence_and_junk(tmp_path):
+    assert load_records(tmp_path / "nowhere") == []
+    (tmp_path / "ch").mkdir()
+    (tmp_path / "ch" / "a.json").write_text(json.dumps(record("rnet", 80.0)))
+    (tmp_path / "ch" / "b.json").write_text("{not json")
+    (tmp_path / "ch" / "c.json").write_text("[]")
+    assert [r["config"]["model"] for r in load_records(tmp_path)] == ["rnet"]
+
+
+def test_readme_lists_every_registered_reader():
+    from mrc_lib.book import ROOT
+    from mrc_lib.models import MODELS, _import_readers
+
+    _import_readers()
+    readme = (ROOT / "README.md").read_text()
+    assert [name for name in MODELS if f"| `{name}` |" not in readme] == []
+    assert "one model file, one profile and one notebook" in readme
+
+
+def test_a_readers_headline_side_is_its_full_profile_not_an_ablation():
+    side = Side.headline("dynsan")
+    full = record("dynsan", 79.0, **side.hparams)
+    ablation = record("dynsan", 80.0, **{**side.hparams, "block": "fullsan"})
+    assert side.hparams["block"] == "dynsa"
+    assert score([full, ablation], side) == 79.0

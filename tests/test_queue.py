@@ -1,0 +1,152 @@
+"""The queue file, its validator and status, the packed runner (two concurrent processes, a
+deadline stop, an exact resume) and the transfer of its folder in pieces, at smoke size on the
+tiny mirror of conftest.py."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from mrc_lib import queue
+from mrc_lib.cli import main
+from mrc_lib.errors import UserError
+
+TINY = ["epochs=2", "batch_size=2", "limits=null", "hparams.hidden=8", "hparams.char_channels=8",
+        "checkpoint_every=null", "log_every=1", "device=cpu"]
+KEYS = ("dev", "best_dev", "steps", "epochs_run", "config_hash")
+
+
+def write_queue(tmp_path, entries: dict) -> str:
+    path = tmp_path / "queue.yaml"
+    path.write_text(json.dumps(entries))
+    return str(path)
+
+
+@pytest.fixture
+def tiny_queue(tmp_path):
+    return write_queue(tmp_path, {"tq": [
+        {"run": "bidaf_seed{seed}", "model": "bidaf", "seeds": [0, 1], "priority": 1,
+         "minutes": 1, "schedule": "tiny", "overrides": TINY},
+        {"run": "cloze", "model": "ea_reader", "priority": 2, "minutes": 1, "schedule": "-",
+         "runner": "notebook"}]})
+
+
+def test_the_book_queue_is_valid_and_covers_every_chapter():
+    jobs = queue.load_queue()
+    chapters = {j.entry.chapter for j in jobs}
+    assert {"01_bidaf_qanet", "02_dynsan", "03_decaprop", "04_aba", "05_ea_reader",
+            "06_phasecond"} <= chapters
+    assert {j.key for j in jobs if j.priority == 1} >= {"01_bidaf_qanet/bidaf",
+                                                        "01_bidaf_qanet/qanet"}
+    table = queue.status_table(jobs)
+    assert "GPU-minutes (H100, estimated) done" in table.splitlines()[-1]
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"model": "bidef"}, "unknown model 'bidef'"),
+    ({"epochs": 3}, "unknown key(s) epochs"),
+    ({"overrides": ["lr=fast"]}, "config lr='fast'"),
+    ({"seeds": [0, 1]}, "several seeds need '{seed}'"),
+    ({"runner": "gpu"}, "runner 'gpu'"),
+])
+def test_a_bad_entry_is_a_one_line_error_naming_file_and_entry(tmp_path, entry, message):
+    good = {"run": "a", "model": "bidaf", "priority": 1, "minutes": 1, "schedule": "-"}
+    path = write_queue(tmp_path, {"ch": [good, {**good, "run": "b", **entry}]})
+    with pytest.raises(UserError, match=re.escape(message)) as e:
+        queue.load_queue(path)
+    assert f"{path}: ch[1] (b)" in str(e.value) or f"{path}: ch[1]:" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert main(["queue", "--file", path]) == 2
+
+
+def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, tiny_queue,
+                                                             capsys):
+    jobs = queue.load_queue(tiny_queue)
+    seed0, seed1 = jobs[0], jobs[1]
+    whole = queue.work(seed0, tmp_path / "whole", None, "smoke")  # uninterrupted, in-process
+    assert whole["complete"]
+
+    out = tmp_path / "q"
+    cut = queue.work(seed0, out, 0.0, "smoke")  # the deadline has passed: one step, then stop
+    assert not cut["complete"] and cut["steps"] == 1
+    assert queue.state_of(seed0, out, "smoke")[0] == "partial"
+    assert [j.key for j in queue.pending(jobs, out, "smoke")] == [seed0.key, seed1.key]
+
+    codes = queue.run_queue(jobs, out, minutes=5, parallel=2, reserve=0, profile="smoke",
+                            queue_file=tiny_queue, log=lambda line: None)
+    assert codes == {seed0.key: 0, seed1.key: 0}  # both ran, as two processes at once
+    done = [json.loads((out / "records" / "tq" / f"bidaf_seed{s}.json").read_text())
+            for s in (0, 1)]
+    reference = json.loads(json.dumps(whole))
+    for key in KEYS[:-1]:
+        assert done[0][key] == reference[key]  # the resumed run equals the uninterrupted one
+    for a, b in zip(done[0]["history"], reference["history"], strict=True):
+        assert (a["dev"], a["train_loss"]) == (b["dev"], b["train_loss"])
+    assert done[1]["config"]["seed"] == 1
+    assert [queue.state_of(j, out, "smoke")[0] for j in jobs] == ["done", "done", "notebook"]
+    assert queue.pending(jobs, out, "smoke") == []
+    with pytest.raises(UserError, match="runner: notebook"):
+        queue.work(jobs[2], out, None, "smoke")
+
+    assert main(["queue", "--file", tiny_queue, "--out", str(out), "--profile", "smoke"]) == 0
+    assert "2 done, 0 partial, 0 missing, 1 notebook" in capsys.readouterr().out
+
+
+def test_pack_and_unpack_in_pieces(tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    (out / "records" / "ch").mkdir(parents=True)
+    (out / "records" / "ch" / "a.json").write_text("{}")
+    partial, complete = out / "ch" / "b", out / "ch" / "c"
+    for folder, done in ((partial, False), (complete, True)):
+        folder.mkdir(parents=True)
+        (folder / "status.json").write_text(json.dumps({"complete": done, "fraction": 0.5}))
+        (folder / "checkpoint.pt").write_bytes(b"m" * 100)
+        (folder / "checkpoint.pt.abc.000").write_bytes(bytes(range(256)) * 40)
+        (folder / "model.pt").write_bytes(b"w" * 5000)  # left behind: rebuilt or not needed
+    monkeypatch.setattr(queue, "PIECE_BYTES", 4000)
+    files, left_out = queue.pack(out, tmp_path / "back")
+    assert left_out == [] and len(files) > 2 and all(f.stat().st_size <= 4000 for f in files)
+    names = queue.unpack(tmp_path / "back", tmp_path / "again")
+    assert sorted(names) == ["ch/b/checkpoint.pt", "ch/b/checkpoint.pt.abc.000",
+                             "ch/b/status.json", "ch/c/status.json", "records/ch/a.json"]
+    again = tmp_path / "again" / "ch" / "b" / "checkpoint.pt.abc.000"
+    assert again.read_bytes() == (partial / "checkpoint.pt.abc.000").read_bytes()
+
+    _, left_out = queue.pack(out, tmp_path / "small", budget=1000)
+    assert left_out == ["ch/b"]
+    piece = tmp_path / "back" / "queue.tar.001"
+    piece.write_bytes(piece.read_bytes()[:-1])
+    with pytest.raises(UserError, match="piece corrupt") as e:
+        queue.unpack(tmp_path / "back", tmp_path / "third")
+    assert str(piece) in str(e.value)
+
+
+def test_queue_configs_hash_like_the_chapter_01_notebook_builds_them():
+    from mrc_lib.config import resolve_config
+    from mrc_lib.records import config_hash
+
+    jobs = {j.name: j for j in queue.load_queue() if j.entry.chapter == "01_bidaf_qanet"}
+    for name in ("bidaf", "qanet"):  # the notebook: resolve_config(name, ..., seed, device)
+        notebook_cfg = resolve_config(name, "squad-v1.1", "full", overrides=["seed=0",
+                                                                             "device=cpu"])
+        assert config_hash(jobs[name].config().to_dict()) == config_hash(notebook_cfg.to_dict())
+
+
+def test_cli_pack_unpack_import(tmp_path, monkeypatch, capsys):
+    from mrc_lib import records
+
+    monkeypatch.setattr(records, "BOOK_RUNS", tmp_path / "book" / "runs")
+    out = tmp_path / "q"
+    record = {k: 1 for k in records.REQUIRED} | {"chapter": "ch", "run": "r"}
+    records.write_record(out / "records" / "ch" / "r.json", record)
+    assert main(["queue", "pack", "--out", str(out), "--to", str(tmp_path / "back")]) == 0
+    assert main(["queue", "unpack", "--from", str(tmp_path / "back"),
+                 "--out", str(tmp_path / "here")]) == 0
+    assert main(["queue", "import", "--out", str(tmp_path / "here")]) == 0
+    assert records.read_record(tmp_path / "book" / "runs" / "ch" / "r.json") == record
+    (out / "records" / "ch" / "r.json").write_text("{")
+    assert main(["queue", "import", "--out", str(out)]) == 2
+    assert "r.json: corrupt run record" in capsys.readouterr().err
+    assert main(["queue", "run"]) == 2  # no --out

@@ -1,0 +1,132 @@
+"""Run records: written by every run, compact, atomic, checked; read instead of training at the
+full profile when the config and the data are the same."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mrc_lib import notebook, records
+from mrc_lib import train as engine
+from mrc_lib.errors import UserError
+from tests.test_train import toy_config, toy_data
+
+
+@pytest.fixture(scope="module")
+def data():
+    return toy_data()
+
+
+def notebook_run(tmp_path, profile, monkeypatch, **kw) -> notebook.Run:
+    monkeypatch.setattr(records, "BOOK_RUNS", tmp_path / "book" / "runs")
+    monkeypatch.setattr(records, "ROOT", tmp_path)
+    return notebook.Run(profile, 0, torch.device("cpu"), tmp_path / "runs" / "ch" / profile,
+                        chapter="ch", **kw)
+
+
+def test_a_record_is_the_metrics_without_predictions_plus_provenance(tmp_path, data):
+    metrics = engine.train(toy_config(), tmp_path / "run", data=data)
+    record = records.make_record(metrics, chapter="ch", run="toy")
+    path = records.write_record(tmp_path / "toy.json", record)
+    back = records.read_record(path)
+    assert back == json.loads(json.dumps(record))
+    assert back["config_hash"] == records.config_hash(toy_config().to_dict())
+    assert back["examples_per_second"] > 0 and back["wall_seconds"] > 0
+    assert back["complete"] and back["cuda"] == torch.version.cuda
+    assert {"history", "dev", "device", "torch", "git_commit", "peak_memory_bytes",
+            "data_digests", "config", "seconds_per_epoch"} <= set(back)
+    assert "predictions" not in json.dumps(back) and path.stat().st_size < 20_000
+
+
+def test_the_hash_ignores_where_and_how_often_a_run_is_checkpointed():
+    base = toy_config().to_dict()
+    same = {**base, "device": "cuda", "checkpoint_every": 7, "eval_batch_size": 9}
+    assert records.config_hash(same) == records.config_hash(base)
+    assert records.config_hash({**base, "lr": 0.1}) != records.config_hash(base)
+
+
+def test_writes_are_atomic_and_oversized_records_refused(tmp_path, monkeypatch):
+    path = tmp_path / "r.json"
+    good = {k: 1 for k in records.REQUIRED}
+    records.write_record(path, good)
+    before = path.read_bytes()
+    with pytest.raises(UserError, match="over 1000000"):
+        records.write_record(path, {**good, "analysis": "x" * records.MAX_BYTES})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mrc_lib.utils.os.replace", broken)
+    with pytest.raises(OSError):
+        records.write_record(path, {**good, "dev": 2})
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+@pytest.mark.parametrize("text, message", [("{not json", "corrupt run record"),
+                                           ('{"schema": 1}', "missing chapter")])
+def test_a_corrupt_record_is_a_one_line_error_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "r.json"
+    path.write_text(text)
+    with pytest.raises(UserError, match=message) as e:
+        records.read_record(path)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_smoke_trains_and_writes_the_record_in_the_run_folder(tmp_path, data, monkeypatch):
+    run = notebook_run(tmp_path, "smoke", monkeypatch)
+    metrics = run.train("toy", toy_config(), data)
+    path = run.out_dir / "toy" / "record.json"
+    assert records.read_record(path)["dev"] == metrics["dev"]
+    assert metrics["loss_curve"][-1][0] == metrics["steps"] == 8
+    assert not (tmp_path / "book").exists()
+    again = run.train("toy", toy_config(), data)  # the finished run is resumed, not retrained
+    assert again["dev"] == metrics["dev"] and again["steps"] == metrics["steps"]
+
+
+def test_full_reads_a_matching_record_and_retrains_on_request(tmp_path, data, monkeypatch):
+    cfg = toy_config(profile="full")
+    run = notebook_run(tmp_path, "full", monkeypatch)
+    trained = run.train("toy", cfg, data)
+    path = tmp_path / "book" / "runs" / "ch" / "toy.json"
+    assert records.read_record(path)["dev"] == trained["dev"]
+    assert run.runs["toy"]["trained"]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained although a matching record exists")
+
+    monkeypatch.setattr(engine, "train", no_training)
+    again = notebook_run(tmp_path, "full", monkeypatch)
+    read = again.train("toy", cfg, data)
+    assert read == records.read_record(path)
+    assert again.runs["toy"]["record"] == "book/runs/ch/toy.json"
+    for stale in (toy_config(profile="full", lr=0.01), None):  # another config, or data
+        other = data if stale else type(data)(**{**vars(data), "digests": {"x": "1"}})
+        with pytest.raises(AssertionError, match="trained although"):
+            again.train("toy", stale or cfg, other)
+    with pytest.raises(AssertionError, match="trained although"):
+        again.train("toy", cfg, data, retrain=True)
+    with pytest.raises(AssertionError, match="trained although"):
+        notebook_run(tmp_path, "full", monkeypatch, retrain=True).train("toy", cfg, data)
+
+
+def test_a_full_chapter_needs_every_run_complete_and_full(tmp_path, data, monkeypatch):
+    run = notebook_run(tmp_path, "full", monkeypatch)
+    run.out_dir.mkdir(parents=True)
+    run.train("short", toy_config(profile="smoke"), data)
+    with pytest.raises(UserError, match="runs short are not complete full-profile runs"):
+        run.save()
+
+
+def test_start_takes_chapter_and_retrain_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setattr("IPython.display.display", lambda *a: None)
+    monkeypatch.delenv("MRC_CHAPTER", raising=False)
+    monkeypatch.delenv("MRC_RETRAIN", raising=False)
+    run = notebook.start("smoke", 0, "", "cpu", str(tmp_path / "runs" / "07_x" / "smoke"))
+    assert (run.chapter, run.retrain) == ("07_x", False)
+    monkeypatch.setenv("MRC_CHAPTER", "08_y")
+    monkeypatch.setenv("MRC_RETRAIN", "1")
+    run = notebook.start("smoke", 0, "", "cpu", str(tmp_path / "o"))
+    assert (run.chapter, run.retrain) == ("08_y", True)
