@@ -334,7 +334,7 @@ def analysis(reader: nn.Module, split) -> dict:
             "index": i, "has_answer": bool(batch["has_answer"][b]),
             "passage": split.tokens(i), "question": split.tokens(i, "q"),
             "attention": rounded(out["attention"][b, :n, :m]),
-            "na_prob": round(float(out["na_logits"][b].float().sigmoid()), 4)})
+            "na_prob": round(float(out["na_logits"][b].detach().float().sigmoid()), 4)})
     if hook is not None:
         payload["lambda"] = lambda_summary(reader.aba, seen[0])
     return payload
