@@ -39,14 +39,13 @@ sys.path.insert(0, str(ROOT))
 from mrc_lib.bench import (  # noqa: E402
     SQUAD_TRAIN_EXAMPLES,
     SyntheticVocab,
-    _seconds,
     synthetic_batch,
+    time_steps,
 )
 from mrc_lib.config import resolve_config  # noqa: E402
 from mrc_lib.models import MODELS, build_model  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     EMA,
-    autocast,
     build_optimizer,
     count_parameters,
     device_name,
@@ -66,20 +65,7 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
     if not torch.isfinite(loss) or not all(torch.isfinite(g).all() for g in grads):
         raise FloatingPointError(f"non-finite loss or gradient at {batch['c_words'].shape[1]} "
                                  "tokens")
-
-    def train_once():
-        train_step(net, batch, optimizer, cfg, dev)
-        if ema is not None:
-            ema.update(model)
-
-    @torch.no_grad()
-    def infer_once():
-        with autocast(cfg, dev):
-            net(batch)
-
-    train_s = _seconds(train_once, steps, dev)
-    model.eval()
-    infer_s = _seconds(infer_once, steps, dev)
+    train_s, infer_s = time_steps(net, model, batch, optimizer, ema, cfg, dev, steps)
     rate = steps * cfg.batch_size / train_s
     return {"train_examples_per_s": round(rate, 1),
             "infer_examples_per_s": round(steps * cfg.batch_size / infer_s, 1),

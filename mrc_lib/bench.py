@@ -1,6 +1,7 @@
-"""Throughput and peak memory of a reader at the full profile's size, on synthetic batches.
+"""Throughput and peak memory of a reader at a profile's size (``full`` by default), on
+synthetic batches.
 
-The reader is built with the ``full`` profile's hyperparameters over a random vocabulary the
+The reader is built with the profile's hyperparameters over a random vocabulary the
 size of SQuAD v1.1's with GloVe 50d, and fed random batches with contexts of ``seq_len``
 tokens and questions of 30. After a few warm-up steps it measures training (forward, backward,
 optimizer step and weight averaging, exactly the trainer's step) and inference examples per
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mrc_lib.config import resolve_config
+from mrc_lib.config import TrainConfig, resolve_config
 from mrc_lib.models import build_model
 from mrc_lib.train import (
     EMA,
@@ -78,7 +79,7 @@ def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
     return {"c_words": c_words, "c_chars": c_chars, "c_mask": c_mask,
             "q_words": q_words, "q_chars": q_chars, "q_mask": q_mask,
             "c_feats": torch.rand(batch_size, context_len, vocab.n_feats, generator=g),
-            "q_feats": torch.randint(0, 2, (batch_size, question_len, 2), generator=g).float(),
+            "q_feats": torch.randint(0, 2, (batch_size, question_len, 3), generator=g).float(),
             "q_type": torch.zeros(batch_size, dtype=torch.long), "y1": y1, "y2": y2,
             "has_answer": torch.ones(batch_size, dtype=torch.bool),
             "idx": torch.arange(batch_size), **tags}
@@ -99,6 +100,30 @@ def _seconds(fn: Callable[[], object], steps: int, device: torch.device,
     return time.perf_counter() - tic
 
 
+def time_steps(net: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Tensor],
+               optimizer: torch.optim.Optimizer, ema: EMA | None, cfg: TrainConfig,
+               dev: torch.device, steps: int,
+               warmup: int = WARMUP_STEPS) -> tuple[float, float]:
+    """Seconds of ``steps`` training steps (the trainer's ``train_step``, then the weight
+    average's update) and of ``steps`` inference passes on ``batch``, each after ``warmup``
+    untimed ones. ``net`` runs the steps: ``model`` itself or its ``torch.compile`` wrapper."""
+
+    def train_once():
+        train_step(net, batch, optimizer, cfg, dev)
+        if ema is not None:
+            ema.update(model)
+
+    @torch.no_grad()
+    def infer_once():
+        with autocast(cfg, dev):
+            net(batch)
+
+    model.train()
+    train_seconds = _seconds(train_once, steps, dev, warmup)
+    model.eval()
+    return train_seconds, _seconds(infer_once, steps, dev, warmup)
+
+
 def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int = 10,
           device: str = "auto", profile: str = "full", warmup: int = WARMUP_STEPS) -> dict:
     """Measure reader ``model_name`` (``profile``'s hyperparameters) on synthetic batches."""
@@ -113,21 +138,8 @@ def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int 
     batch = {k: v.to(dev) for k, v in synthetic_batch(vocab, batch_size, seq_len).items()}
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-
-    def train_once():
-        train_step(model, batch, optimizer, cfg, dev)
-        if ema is not None:
-            ema.update(model)
-
-    @torch.no_grad()
-    def infer_once():
-        with autocast(cfg, dev):
-            model(batch)
-
-    model.train()
-    train_seconds = _seconds(train_once, steps, dev, warmup)
-    model.eval()
-    infer_seconds = _seconds(infer_once, steps, dev, warmup)
+    train_seconds, infer_seconds = time_steps(model, model, batch, optimizer, ema, cfg, dev,
+                                              steps, warmup)
     train_rate = steps * batch_size / train_seconds
     return {
         "model": cfg.model, "profile": profile, "device": device_name(dev),

@@ -8,9 +8,10 @@ loads with ``weights_only=True``.
 With ``part_bytes`` (the trainer's checkpoints), the serialized dict is cut into parts of at
 most that many bytes, ``NAME.<digest>.000``, ``NAME.<digest>.001``, ... (files small enough to
 travel back from a GPU machine), and ``NAME`` itself becomes a small manifest listing each
-part's size and SHA-256. The parts are written first and the manifest last, so the manifest's
-rename is the commit point; the previous checkpoint's parts are deleted only after it. A missing,
-truncated or altered part is a one-line :class:`UserError` naming the file.
+part's size and SHA-256 (:func:`mrc_lib.utils.write_parts` and ``join_parts``, shared with
+the queue's transfer). The parts are written first and the manifest last, so the manifest's
+rename is the commit point; the previous checkpoint's parts are deleted only after it. A
+missing, truncated or altered part is a one-line :class:`UserError` naming the file.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_path, atomic_write_bytes
+from mrc_lib.utils import atomic_path, join_parts, write_parts
 
 PARTS_KEY = "checkpoint_parts"  # the manifest's key: a list of {"name", "bytes", "sha256"}
 PART_BYTES = 15 * 2**20  # under the 16 MB a file may have to come back from a GPU machine
@@ -71,13 +72,7 @@ def save_checkpoint(path: str | Path, state: dict, part_bytes: int | None = None
     torch.save(state, buffer)
     blob = buffer.getvalue()
     digest = hashlib.sha256(blob).hexdigest()
-    parts = []
-    for k, start in enumerate(range(0, max(len(blob), 1), part_bytes)):
-        chunk = blob[start:start + part_bytes]
-        name = f"{path.name}.{digest[:12]}.{k:03d}"
-        atomic_write_bytes(path.parent / name, chunk)
-        parts.append({"name": name, "bytes": len(chunk),
-                      "sha256": hashlib.sha256(chunk).hexdigest()})
+    parts = write_parts(blob, path.parent, f"{path.name}.{digest[:12]}", part_bytes)
     save_checkpoint(path, {PARTS_KEY: parts})
     keep = {p["name"] for p in parts}
     for old in path.parent.glob(f"{path.name}.*.[0-9][0-9][0-9]"):
@@ -101,22 +96,6 @@ def _load(path: Path):
         raise UserError(f"{path}: not a readable checkpoint: {str(e).splitlines()[0]}") from None
 
 
-def _join(path: Path, parts: list[dict]) -> bytes:
-    """The parts listed in the manifest ``path``, checked and concatenated."""
-    chunks = []
-    for part in parts:
-        file = path.parent / part["name"]
-        try:
-            chunk = file.read_bytes()
-        except FileNotFoundError:
-            raise UserError(f"{file}: checkpoint part missing (listed in {path})") from None
-        if len(chunk) != part["bytes"] or hashlib.sha256(chunk).hexdigest() != part["sha256"]:
-            raise UserError(f"{file}: checkpoint part corrupt (size or SHA-256 differs from "
-                            f"{path})")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def load_checkpoint(path: str | Path) -> dict:
     """Read a checkpoint written by :func:`save_checkpoint` (whole or in parts) onto the CPU."""
     path = Path(path)
@@ -124,7 +103,7 @@ def load_checkpoint(path: str | Path) -> dict:
     if not (isinstance(saved, dict) and PARTS_KEY in saved):
         return saved
     try:
-        return torch.load(io.BytesIO(_join(path, saved[PARTS_KEY])), map_location="cpu",
+        return torch.load(io.BytesIO(join_parts(path, saved[PARTS_KEY])), map_location="cpu",
                           weights_only=True)
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise UserError(f"{path}: parts do not form a readable checkpoint: "

@@ -183,15 +183,18 @@ def _merge(base: dict, update: dict) -> dict:
     return merged
 
 
-def _read_mapping(path: Path, what: str) -> dict:
+def read_mapping(path: Path, what: str, of: str = "config keys") -> dict:
+    """The mapping a YAML (or JSON) file holds; an unreadable file, invalid YAML or another
+    kind of value is a one-line :class:`UserError` naming the file (``what`` and ``of`` word
+    it: "a {what} must be a mapping of {of}")."""
     try:
         values = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
     except OSError as e:
         raise UserError(f"{path}: cannot read {what}: {e.strerror}") from None
     except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML/JSON: {e}") from None
+        raise UserError(f"{path}: not valid YAML/JSON: {' '.join(str(e).split())}") from None
     if not isinstance(values, dict):
-        raise UserError(f"{path}: a {what} must be a mapping of config keys")
+        raise UserError(f"{path}: a {what} must be a mapping of {of}")
     return values
 
 
@@ -211,7 +214,7 @@ def profile_values(profile: str, model: str) -> dict:
         raise UserError(f"unknown profile {profile!r}; known: {', '.join(available_profiles())}")
     models = set()
     for path in profile_files(profile):
-        sections = _read_mapping(path, "profile")
+        sections = read_mapping(path, "profile")
         if model in sections:
             values = _merge(sections.get("defaults") or {}, sections[model] or {})
             _check_keys(values, f"{path} [{model}]")
@@ -239,7 +242,7 @@ def apply_overrides(values: dict, config_file: str | Path | None = None,
                     overrides: typing.Iterable[str] = ()) -> TrainConfig:
     """``values`` updated by a yaml/json ``config_file`` and then by ``--set`` ``overrides``."""
     if config_file is not None:
-        from_file = _read_mapping(Path(config_file), "config file")
+        from_file = read_mapping(Path(config_file), "config file")
         _check_keys(from_file, str(config_file))
         values = _merge(values, from_file)
     for item in overrides:

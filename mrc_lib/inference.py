@@ -23,6 +23,7 @@ def autocast(cfg: TrainConfig, device: torch.device):
                           enabled=cfg.bf16 and device.type == "cuda")
 
 
+@torch.no_grad()
 def predict_spans(model: nn.Module, split, cfg: TrainConfig,
                   device: torch.device) -> Iterator[tuple[int, int, int, float, float | None]]:
     """The most probable span of every example of ``split`` (``model`` in eval mode), as

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import io
 import json
 import os
@@ -35,11 +34,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from mrc_lib import records
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_write_bytes, atomic_write_json
+from mrc_lib.utils import atomic_write_json, join_parts, write_parts
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
 RUNNERS = ("packed", "notebook")
@@ -137,15 +134,10 @@ def _check_model(where: str, entry: Entry) -> None:
 
 def load_queue(path: str | Path = QUEUE_FILE) -> list[Job]:
     """Every job of the queue file, checked (a bad entry is a :class:`UserError`)."""
+    from mrc_lib.config import read_mapping
+
     path = Path(path)
-    try:
-        sections = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise UserError(f"{path}: cannot read the queue: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
-    if not isinstance(sections, dict):
-        raise UserError(f"{path}: the queue is a mapping of chapter -> list of entries")
+    sections = read_mapping(path, "queue", of="chapter -> list of entries")
     jobs = []
     for chapter, items in sections.items():
         if not isinstance(items, list):
@@ -336,14 +328,8 @@ def pack(out: Path, dest: Path, budget: int = PACK_BUDGET) -> tuple[list[Path], 
     with tarfile.open(fileobj=buffer, mode="w") as tar:
         for path in members:
             tar.add(path, arcname=str(path.relative_to(out)))
-    blob = buffer.getvalue()
     dest.mkdir(parents=True, exist_ok=True)
-    pieces = []
-    for k, start in enumerate(range(0, max(len(blob), 1), PIECE_BYTES)):
-        chunk = blob[start:start + PIECE_BYTES]
-        atomic_write_bytes(dest / f"queue.tar.{k:03d}", chunk)
-        pieces.append({"name": f"queue.tar.{k:03d}", "bytes": len(chunk),
-                       "sha256": hashlib.sha256(chunk).hexdigest()})
+    pieces = write_parts(buffer.getvalue(), dest, "queue.tar", PIECE_BYTES)
     atomic_write_json(dest / "queue.json", {"pieces": pieces, "left_out": left_out})
     return [dest / "queue.json", *(dest / p["name"] for p in pieces)], left_out
 
@@ -358,16 +344,8 @@ def unpack(source: Path, out: Path) -> list[str]:
         raise UserError(f"{manifest}: no packed queue here") from None
     except (json.JSONDecodeError, KeyError) as e:
         raise UserError(f"{manifest}: corrupt manifest: {e}") from None
-    chunks = []
-    for piece in pieces:
-        path = source / piece["name"]
-        if not path.is_file():
-            raise UserError(f"{path}: piece missing (listed in {manifest})")
-        chunk = path.read_bytes()
-        if len(chunk) != piece["bytes"] or hashlib.sha256(chunk).hexdigest() != piece["sha256"]:
-            raise UserError(f"{path}: piece corrupt (size or SHA-256 differs from {manifest})")
-        chunks.append(chunk)
-    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r") as tar:
+    blob = join_parts(manifest, pieces, what="piece")
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
         names = tar.getnames()
         tar.extractall(out, filter="data")
     return names

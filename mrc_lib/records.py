@@ -54,8 +54,9 @@ def loss_curve(log_path: Path) -> list[list[float]]:
     :data:`CURVE_POINTS` evenly spaced points (the last one kept)."""
     if not log_path.exists():
         return []
-    points = [[e["step"], round(e["loss"], 5)] for e in map(json.loads, log_path.open())
-              if e["event"] == "step"]
+    with log_path.open(encoding="utf-8") as lines:
+        points = [[e["step"], round(e["loss"], 5)] for e in map(json.loads, lines)
+                  if e["event"] == "step"]
     stride = -(-len(points) // CURVE_POINTS)
     return points[::-1][::stride][::-1] if points else []
 

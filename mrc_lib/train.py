@@ -145,7 +145,8 @@ def plateau_score(dev: dict, cfg: TrainConfig) -> float:
 
 class LRSchedule:
     """``lr_k = lr · warmup(k) · factor^m``: the warm-up advances with every optimizer step, and
-    ``m`` counts the plateaus, runs of ``plateau_patience`` epochs without a better dev F1."""
+    ``m`` counts the plateaus, runs of ``plateau_patience`` epochs without a better dev score
+    (:func:`plateau_score`)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig):
         self.optimizer, self.cfg = optimizer, cfg
@@ -170,12 +171,12 @@ class LRSchedule:
         self.steps += 1
         self._apply()
 
-    def epoch_end(self, f1: float) -> None:
-        """Call after each evaluation with the dev F1."""
+    def epoch_end(self, score: float) -> None:
+        """Call after each evaluation with the dev score (:func:`plateau_score`)."""
         if self.cfg.plateau_factor is None:
             return
-        if f1 > self.best:
-            self.best, self.bad_epochs = f1, 0
+        if score > self.best:
+            self.best, self.bad_epochs = score, 0
             return
         self.bad_epochs += 1
         if self.bad_epochs >= self.cfg.plateau_patience:
@@ -243,7 +244,6 @@ def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.
     return loss.detach()
 
 
-@torch.no_grad()
 def evaluate_split(model: nn.Module, split, cfg: TrainConfig,
                    device: torch.device) -> tuple[dict, dict[str, str], dict[str, float] | None]:
     """Official scores of ``model`` on ``split``, with the predictions (qid → the best span's
@@ -557,9 +557,9 @@ class Trainer:
                                                             self.cfg, self.device)
                 self._write_outputs(predictions, na_probs)
             record.update(eval_seconds=time.perf_counter() - tic, dev=dev)
-        dev_f1 = self._broadcast(record["dev"]["f1"] if "dev" in record else None)
-        self.schedule.epoch_end(self._broadcast(plateau_score(record["dev"], self.cfg)
-                                                if "dev" in record else None))
+        dev = self._broadcast(record.get("dev"))
+        dev_f1 = dev["f1"]
+        self.schedule.epoch_end(plateau_score(dev, self.cfg))
         progress.history.append(record)
         if progress.best is None or dev_f1 > progress.best["f1"]:
             progress.best = {"epoch": record["epoch"], "f1": dev_f1, "dev": record.get("dev")}
@@ -579,14 +579,14 @@ class Trainer:
         return self.progress.epoch >= self.cfg.epochs or self._out_of_steps()
 
     def _analysis(self) -> dict | None:
-        """The reader's figure payload (its optional ``analysis(split)`` method, averaged
+        """The reader's figure payload (its optional ``analysis(data, cfg)`` method, averaged
         weights, eval mode): small JSON data the chapter draws from, kept in the run's record so
         that a figure can be redrawn without the weights."""
         if not hasattr(self.model, "analysis"):
             return None
         with averaged(self.model, self.ema), torch.no_grad():
             self.model.eval()
-            return self.model.analysis(self.data.splits["dev"])
+            return self.model.analysis(self.data, self.cfg)
 
     def _broadcast(self, value):
         """Rank 0's ``value`` on every process."""

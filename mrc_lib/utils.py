@@ -1,4 +1,5 @@
-"""Small shared helpers: atomic writes, digests, JSON, git commit."""
+"""Small shared helpers: atomic writes, files cut into checked parts, digests, JSON, git
+commit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+from mrc_lib.errors import UserError
 
 
 @contextlib.contextmanager
@@ -33,6 +36,37 @@ def atomic_path(path: str | os.PathLike):
 def atomic_write_bytes(path, data: bytes) -> None:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
+
+
+def write_parts(blob: bytes, folder: Path, prefix: str, part_bytes: int) -> list[dict]:
+    """Write ``blob`` as ``folder/<prefix>.000``, ``.001``, ... of at most ``part_bytes``
+    each (one, possibly empty, at least); return the manifest entries ``{"name", "bytes",
+    "sha256"}``."""
+    parts = []
+    for k, start in enumerate(range(0, max(len(blob), 1), part_bytes)):
+        chunk = blob[start:start + part_bytes]
+        name = f"{prefix}.{k:03d}"
+        atomic_write_bytes(folder / name, chunk)
+        parts.append({"name": name, "bytes": len(chunk),
+                      "sha256": hashlib.sha256(chunk).hexdigest()})
+    return parts
+
+
+def join_parts(manifest: Path, parts: list[dict], what: str = "checkpoint part") -> bytes:
+    """The parts :func:`write_parts` listed (in ``manifest``, beside them), checked and
+    concatenated; a missing or altered one is a one-line :class:`UserError` naming it."""
+    chunks = []
+    for part in parts:
+        file = manifest.parent / part["name"]
+        try:
+            chunk = file.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"{file}: {what} missing (listed in {manifest})") from None
+        if len(chunk) != part["bytes"] or hashlib.sha256(chunk).hexdigest() != part["sha256"]:
+            raise UserError(f"{file}: {what} corrupt (size or SHA-256 differs from "
+                            f"{manifest})")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def atomic_write_json(path, obj, indent: int | None = 2) -> None:

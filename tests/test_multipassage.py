@@ -9,6 +9,7 @@ import pytest
 
 from mrc_lib.data.multipassage import (
     SEPARATOR,
+    MultiPassageSplit,
     TfidfRanker,
     choose_passages,
     find_occurrences,
@@ -81,6 +82,13 @@ def test_multipassage_squad_from_the_fixture(mirror):
         assert (y1, y2) in spans
         assert spans == [(i, i + y2 - y1) for i in range(len(words))
                          if words[i:i + y2 - y1 + 1] == words[y1:y2 + 1]]
+    cut = MultiPassageSplit(train.name, train.a, train.text, train.forms, context_limit=20)
+    short = cut.collate(np.arange(len(cut)))  # occurrences past a context limit are dropped
+    for row in range(len(train)):
+        kept = short["occ_end"][row][short["occ_start"][row] >= 0]
+        full = batch["occ_end"][row][batch["occ_start"][row] >= 0]
+        assert kept.tolist() == [e for e in full.tolist() if e < short["c_mask"][row].sum()]
+    assert (short["occ_start"] < 0).all(1).sum() == 2  # two answers lie past token 20
     for row in range(len(train)):
         ids = batch["c_passage"][row][batch["c_mask"][row]].numpy()
         expected = np.concatenate([np.full(e - s, p) for p, (s, e) in

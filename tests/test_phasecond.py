@@ -52,7 +52,7 @@ def make_batch(c_len=(7, 5), q_len=(4, 3), tagged=True, pad_c=0, pad_q=0, seed=0
              "c_chars": ids(12, c_mask, 3), "q_chars": ids(12, q_mask, 3),
              "c_mask": c_mask, "q_mask": q_mask,
              "c_feats": torch.rand(B, Lc, 4, generator=g).round() * c_mask[..., None],
-             "q_feats": torch.rand(B, Lq, 2, generator=g).round() * q_mask[..., None],
+             "q_feats": torch.rand(B, Lq, 3, generator=g).round() * q_mask[..., None],
              "q_type": torch.randint(0, 9, (B,), generator=g),
              "y1": torch.tensor([1, 0]), "y2": torch.tensor([2, 3]),
              "has_answer": torch.tensor([True, True])}
@@ -161,8 +161,7 @@ def test_input_layer_features_then_fusion():
     with torch.no_grad():
         for side, L in (("c", 7), ("q", 4)):
             words = embed.words(batch[f"{side}_words"], batch[f"{side}_chars"])
-            em = (batch["c_feats"][..., :3] if side == "c" else
-                  torch.cat([batch["q_feats"], torch.zeros(2, L, 1)], -1))
+            em = batch["c_feats"][..., :3] if side == "c" else batch["q_feats"]
             qtype = embed.qtype(batch["q_type"])[:, None].expand(-1, L, -1)
             qtype = qtype if side == "q" else torch.zeros_like(qtype)
             x = torch.cat([words, em, embed.pos(batch[f"{side}_pos"]),
@@ -416,7 +415,7 @@ def test_analysis_payload_is_small_and_plain(mirror):
     data = load_prepared()
     model = build_model("phasecond", data.vocab, **{**SMALL, "use_tags": False}).eval()
     with torch.no_grad():
-        payload = model.analysis(data.splits["dev"])
+        payload = model.analysis(data, None)
     text = json.dumps(payload)
     assert len(text) < 200_000
     fig, ens = payload["figure3"], payload["ensemble"]

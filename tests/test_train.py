@@ -534,7 +534,7 @@ def test_attention_analysis_payload_is_the_forward_attention(mirror, model, hpar
     dev = data.splits["dev"]
     reader = build_model(model, data.vocab, **hparams).eval()
     with torch.no_grad():
-        payload = reader.analysis(dev)["attention"]
+        payload = reader.analysis(data, None)["attention"]
         att = reader({k: v for k, v in dev.collate(np.array([1])).items()})["attention"][0]
     assert len(payload) == 2 and payload[1]["question"] == dev.question(1)
     assert payload[1]["context_tokens"] == list(dev.tokens(1))[:40]

@@ -36,7 +36,7 @@ from mrc_lib.data.vocab import Forms, Vocab, build_vocab
 from mrc_lib.errors import UserError
 from mrc_lib.utils import file_digest
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: question-side exact match (q_em)
 OOV_MIN_COUNT = 5
 CHAR_MIN_COUNT = 20
 

@@ -12,8 +12,8 @@ c_chars        [B, Lc, W]    char ids of each context token
 c_mask         [B, Lc] bool  True at real tokens
 q_words ...    [B, Lq] ...   the same for the question
 c_feats        [B, Lc, 4]    exact match (original, lower-case, lemma), normalized term frequency
-q_feats        [B, Lq, 2]    exact match of each question word in its whole context (original,
-                             lower-case; no lemma: lemmas are not kept in the arrays)
+q_feats        [B, Lq, 3]    exact match of each question word in its whole context (original,
+                             lower-case, lemma)
 q_type         [B] long      index into :data:`mrc_lib.data.text.QUESTION_TYPES`
 y1, y2         [B] long      gold start/end token (-1 when unanswerable)
 has_answer     [B] bool
@@ -78,7 +78,7 @@ def encode(sq: SquadFile, ctx: list[Tokens], qs: list[Tokens], form_index: dict[
     n = len(sq.examples)
     y = np.full((n, 2), -1, np.int32)
     qtype = np.zeros(n, np.uint8)
-    em = []
+    em, q_em = [], []
     inexact = unaligned = 0
     for i, ex in enumerate(sq.examples):
         c, q = ctx[ex.context_id], qs[i]
@@ -91,6 +91,14 @@ def encode(sq: SquadFile, ctx: list[Tokens], qs: list[Tokens], form_index: dict[
             qlem = set(q.lemmas)
             bits |= np.fromiter((w in qlem for w in c.lemmas), np.uint8, len(c)) << 2
         em.append(bits)
+        # The question side: does each question word occur in the (whole) context.
+        cset, clow = set(c.words), {w.lower() for w in c.words}
+        qbits = (np.fromiter((w in cset for w in q.words), np.uint8, len(q))
+                 | np.fromiter((w.lower() in clow for w in q.words), np.uint8, len(q)) << 1)
+        if q.lemmas is not None and c.lemmas is not None:
+            clem = set(c.lemmas)
+            qbits |= np.fromiter((w in clem for w in q.lemmas), np.uint8, len(q)) << 2
+        q_em.append(qbits)
         spans = [char_to_token_span(c, ans.start, ans.start + len(ans.text)) for ans in ex.answers]
         inexact += sum(not s[2] for s in spans)
         good = [s for s in spans if s[0] >= 0]
@@ -103,6 +111,7 @@ def encode(sq: SquadFile, ctx: list[Tokens], qs: list[Tokens], form_index: dict[
     a["has_answer"] = np.array([not e.is_impossible and y[i, 0] >= 0
                                 for i, e in enumerate(sq.examples)], bool)
     a["em"] = np.concatenate(em) if em else np.zeros(0, np.uint8)
+    a["q_em"] = np.concatenate(q_em) if q_em else np.zeros(0, np.uint8)
     text = {
         "version": sq.version, "contexts": sq.contexts, "titles": sq.titles,
         "qids": [e.qid for e in sq.examples], "questions": [e.question for e in sq.examples],
@@ -193,7 +202,7 @@ class Split:
         q_form = np.where(q_mask, a["q_form"][q_idx], PAD)
         bits = a["em"][e_idx]
         tf = a["ctx_count"][c_idx] / self._ctx_len(cid)[:, None]
-        feats = np.stack([bits & 1, bits >> 1 & 1, bits >> 2 & 1, tf], -1) * c_mask[..., None]
+        feats = np.concatenate([_bits(bits), tf[..., None]], -1) * c_mask[..., None]
         y = a["y"][ex].astype(np.int64)
         y[(y >= c_len[:, None]).any(1)] = -1  # answer cut off by the context limit
         batch = {
@@ -201,7 +210,7 @@ class Split:
             "q_words": self.forms.word[q_form].astype(np.int64), "q_chars": self._chars(q_form),
             "c_mask": c_mask, "q_mask": q_mask,
             "c_feats": feats.astype(np.float32), "q_type": a["q_type"][ex].astype(np.int64),
-            "q_feats": self._question_match(cid, q_form).astype(np.float32),
+            "q_feats": (_bits(a["q_em"][q_idx]) * q_mask[..., None]).astype(np.float32),
             "y1": y[:, 0], "y2": y[:, 1], "has_answer": a["has_answer"][ex] & (y[:, 0] >= 0),
             "idx": pos.astype(np.int64),
         }
@@ -211,22 +220,6 @@ class Split:
                 batch[f"{side}_pos"] = np.where(mask, a[f"{name}_pos"][idx], 0).astype(np.int64)
                 batch[f"{side}_ner"] = np.where(mask, a[f"{name}_ner"][idx], 0).astype(np.int64)
         return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
-
-    def _question_match(self, cid: np.ndarray, q_form: np.ndarray) -> np.ndarray:
-        """Does each question word occur in its (whole) context: original form and lower case,
-        ``[B, Lq, 2]``, the question side of the exact-match features (0 at padding)."""
-        lower = getattr(self.forms, "lower_ids", None)  # form id -> id of its lower case
-        if lower is None:  # computed once per form table, shared by its splits and subsets
-            ids: dict[str, int] = {}
-            lower = np.array([ids.setdefault(w.lower(), len(ids)) for w in self.forms.strings],
-                             np.int64)
-            lower[PAD] = -1
-            self.forms.lower_ids = lower
-        c_idx, c_mask = _ragged(self.a["ctx_ptr"][cid], self._ctx_len(cid))
-        c_form = np.where(c_mask, self.a["ctx_form"][c_idx], PAD)
-        match = [(f[:, :, None] == f_c[:, None, :]).any(-1) for f, f_c in
-                 ((q_form, c_form), (lower[q_form], lower[c_form]))]
-        return np.stack(match, -1) & (q_form != PAD)[..., None]
 
     def _chars(self, forms: np.ndarray) -> np.ndarray:
         chars = self.forms.chars[forms]
@@ -289,6 +282,12 @@ def unpack_offsets(ptr, gap, length) -> tuple[np.ndarray, np.ndarray]:
     base = np.repeat(total[ptr[:-1]] - step[ptr[:-1]], np.diff(ptr)) if len(step) else total
     ends = total - base
     return (ends - length).astype(np.int32), ends.astype(np.int32)
+
+
+def _bits(bits: np.ndarray) -> np.ndarray:
+    """The three exact-match bits (original form, lower case, lemma) of packed ``uint8``s, as a
+    last axis of 0/1."""
+    return np.stack([bits & 1, bits >> 1 & 1, bits >> 2 & 1], -1)
 
 
 def _ragged(start: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -40,7 +40,7 @@ from mrc_lib.data.squad import Answer, Example, SquadFile
 from mrc_lib.data.text import Tokens
 from mrc_lib.utils import atomic_path
 
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 TOKEN_CAP = 5000  # the paper's limit on the total length of an example's passages
 SEPARATOR = "\n\n"
 PASSAGE_COUNTS = (1, 2, 4, 8, None)  # M of Figure 5b; None: all paragraphs of the article
@@ -63,14 +63,19 @@ class MultiPassageSplit(Split):
         token = np.minimum(start[:, None] + np.arange(mask.shape[1]), len(self.a["ctx_form"]) - 1)
         passage = np.where(mask, self.a["ctx_passage"][token], 0)
         batch["c_passage"] = torch.from_numpy(passage.astype(np.int64))
-        batch["occ_start"], batch["occ_end"] = self._occurrences(self.index[pos])
+        batch["occ_start"], batch["occ_end"] = self._occurrences(self.index[pos],
+                                                                 mask.sum(1))
         return batch
 
-    def _occurrences(self, ex: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _occurrences(self, ex: np.ndarray, lengths: np.ndarray
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The answer spans of examples ``ex``, ``-1`` past each one's count and past its
+        (possibly cut) context length ``lengths``."""
         lo, hi = self.a["occ_ptr"][ex], self.a["occ_ptr"][ex + 1]
         occ = np.full((len(ex), max(int((hi - lo).max(initial=0)), 1), 2), -1, np.int64)
         for row, (a, b) in enumerate(zip(lo, hi)):
             occ[row, :b - a] = self.a["occ"][a:b]
+        occ[occ[..., 1] >= lengths[:, None]] = -1  # cut off by a context limit
         return torch.from_numpy(occ[..., 0]), torch.from_numpy(occ[..., 1])
 
     def passage_spans(self, i: int) -> list[tuple[int, int]]:
@@ -152,12 +157,10 @@ def answer_occurrences(arrays: dict, contexts: list[Tokens]) -> tuple[np.ndarray
     spans = []
     for e, (y1, y2) in enumerate(arrays["y"]):
         words = contexts[arrays["ex_ctx"][e]].words
-        found = find_occurrences(words, words[y1:y2 + 1]) if y1 >= 0 else []
-        spans.append(found or ([(int(y1), int(y2))] if y1 >= 0 else []))
+        spans.append(find_occurrences(words, words[y1:y2 + 1]) if y1 >= 0 else [])
     ptr = np.concatenate([[0], np.cumsum([len(f) for f in spans])]).astype(np.int64)
     occ = np.asarray([o for f in spans for o in f], np.int32).reshape(-1, 2)
     return ptr, occ
-
 
 
 def _paragraph_tokens(split: Split, cid: int) -> Tokens:

@@ -44,7 +44,6 @@ Options that depart from the paper (off by default)
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 
 import numpy as np
@@ -52,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
+from mrc_lib.inference import to_device
 from mrc_lib.nn import CoAttention, TrilinearSimilarity, decode_span, mask_logits, span_loss
 
 LAMBDAS = ("paper", "shared_scalar")
@@ -175,7 +175,7 @@ class AdaptiveBiAttention(nn.Module):
         lam: ``"paper"`` (Eq. 3: ``λ^p``, ``λ^q`` element-wise) or ``"shared_scalar"``.
         hos_order: ``"paper"`` (``E`` first) or ``"newest_first"`` (``Cⁿ`` first).
         feed: ``"output"`` (``I`` to the output layer) or ``"attention"`` (in place of the base
-            attention's output); recorded here for the reader, see :func:`at_attention`.
+            attention's output); recorded here for the reader, see :class:`ABAReader`.
         out_dim: map ``I`` to this width with a bias-free linear layer (``None``: ``I`` as is).
     """
 
@@ -217,27 +217,6 @@ class AdaptiveBiAttention(nn.Module):
         return self.out(i), attn
 
 
-def at_attention(reader: nn.Module, p_layers, q_layers, g: Tensor, attn: Tensor,
-                 c_mask: Tensor, q_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """The base attention's projected output ``reader.attn_proj(g)`` and map, or, when ABA is fed
-    at the attention (``feed="attention"``), ``reader.attn_proj(I)`` and ``Ĥ`` with
-    ``A = reader.attn_proj(g)`` as the last granularity."""
-    a = reader.attn_proj(g)
-    if reader.aba is None or reader.aba.feed != "attention":
-        return a, attn
-    i, attn = reader.aba(p_layers, q_layers, a, attn, c_mask, q_mask)
-    return reader.attn_proj(i), attn
-
-
-def at_output(reader: nn.Module, p_layers, q_layers, x: Tensor, attn: Tensor,
-              c_mask: Tensor, q_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """The output layer's input: ``x`` (the base reader's), or ``I`` with ``A = x`` when ABA is
-    fed at the output (``feed="output"``, the paper's), with the map the reader reports."""
-    if reader.aba is None or reader.aba.feed != "output":
-        return x, attn
-    return reader.aba(p_layers, q_layers, x, attn, c_mask, q_mask)
-
-
 def build_aba(widths: Sequence[int], dropout: float, *, aba: bool, lam: str, hos_order: str,
               feed: str, attention_dim: int) -> AdaptiveBiAttention | None:
     """A reader's ABA module (``None`` without ABA); ``attention_dim`` is the width of the base
@@ -246,6 +225,59 @@ def build_aba(widths: Sequence[int], dropout: float, *, aba: bool, lam: str, hos
         return None
     return AdaptiveBiAttention(widths, dropout, lam=lam, hos_order=hos_order, feed=feed,
                                out_dim=attention_dim if feed == "attention" else None)
+
+
+class ABAReader(nn.Module):
+    """What the chapter's base readers (BiDAF++, QANet, SAN) share around their own layers: the
+    no-answer option, the optional ABA module ``self.aba``, the two places it is fed, the
+    outputs and the chapter's payload. A reader calls :meth:`init_aba` in ``__init__``, has
+    ``attn_proj`` (its base attention's projection) and, in ``forward``, passes its attention
+    output through :meth:`at_attention`, its output layer's input through :meth:`at_output`
+    and returns :meth:`outputs`."""
+
+    def init_aba(self, widths: Sequence[int], dropout: float, *, no_answer: str, aba: bool,
+                 aba_lam: str, aba_order: str, aba_feed: str, attention_dim: int,
+                 output_dim: int) -> int:
+        """Check ``no_answer`` and build ``self.aba`` (:func:`build_aba`; ``widths`` of
+        ``[E, C¹, …, Cⁿ, A]``). Returns the width the output layer reads: ``I``'s when ABA is
+        fed there, else the base reader's ``output_dim``."""
+        check_option("no_answer", no_answer, NO_ANSWERS)
+        self.aba = build_aba(widths, dropout, aba=aba, lam=aba_lam, hos_order=aba_order,
+                             feed=aba_feed, attention_dim=attention_dim)
+        return self.aba.out_dim if self.aba is not None and aba_feed == "output" else output_dim
+
+    def at_attention(self, p_layers, q_layers, g: Tensor, attn: Tensor, c_mask: Tensor,
+                     q_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The base attention's projected output ``attn_proj(g)`` and map, or, when ABA is fed
+        at the attention (``feed="attention"``), ``attn_proj(I)`` and ``Ĥ`` with
+        ``A = attn_proj(g)`` as the last granularity."""
+        a = self.attn_proj(g)
+        if self.aba is None or self.aba.feed != "attention":
+            return a, attn
+        i, attn = self.aba(p_layers, q_layers, a, attn, c_mask, q_mask)
+        return self.attn_proj(i), attn
+
+    def at_output(self, p_layers, q_layers, x: Tensor, attn: Tensor, c_mask: Tensor,
+                  q_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The output layer's input: ``x`` (the base reader's), or ``I`` with ``A = x`` when ABA
+        is fed at the output (``feed="output"``, the paper's), with the map the reader
+        reports."""
+        if self.aba is None or self.aba.feed != "output":
+            return x, attn
+        return self.aba(p_layers, q_layers, x, attn, c_mask, q_mask)
+
+    def outputs(self, start: Tensor, end: Tensor, attn: Tensor, batch: dict[str, Tensor],
+                na: Tensor | None = None) -> dict[str, Tensor]:
+        """The reader's outputs from its masked logits and map: with ``na``, the logit of its
+        no-answer head (``no_answer="head"``), else :func:`last_token_outputs`."""
+        out = {"attention": attn.float()}
+        if na is None:
+            return {**out, **last_token_outputs(start, end, batch)}
+        return {**out, "start_logits": start, "end_logits": end, "na_logits": na}
+
+    def analysis(self, data, cfg) -> dict:
+        """The chapter's payload (:func:`analysis`)."""
+        return analysis(self, data, cfg)
 
 
 # --- unanswerable questions ----------------------------------------------------------------------
@@ -306,24 +338,24 @@ def granularity_shares(lam_module: nn.Module, hos: Sequence[Tensor], mask: Tenso
     return rounded(norms / norms.sum().clamp_min(torch.finfo(norms.dtype).tiny))
 
 
-def analysis(reader: nn.Module, split) -> dict:
+def analysis(reader: nn.Module, data, cfg) -> dict:
     """The chapter's payload (averaged weights, eval mode, no gradients): the SQuAD 2.0 protocol
-    scores when ``split`` carries its held-out half (``split.heldout``: threshold tuned on
-    ``split``, scores on the other), the attention map of a few fixed examples, and for ABA
-    readers ``λ`` and each granularity's share of ``ĤOS`` on those examples."""
+    scores when ``data`` has the protocol's two dev halves (threshold tuned on ``data.adapt``,
+    scores on ``data.eval``: :func:`mrc_lib.data.squad2.tuned_scores` with the run's ``cfg``),
+    the attention map of a few fixed dev examples, and for ABA readers ``λ`` and each
+    granularity's share of ``ĤOS`` on those examples."""
     from mrc_lib.data.squad2 import tuned_scores
 
     device = next(reader.parameters()).device
+    split = data.splits["dev"]
     payload = {}
-    if getattr(split, "heldout", None) is not None:
-        cfg = types.SimpleNamespace(eval_batch_size=100, max_answer_len=15, bf16=False)
-        data = types.SimpleNamespace(adapt=split, eval=split.heldout)
+    if getattr(data, "eval", None) is not None:
         payload["scores"] = tuned_scores(reader, data, cfg, device)
     picks = example_picks(split)
     seen = []
     hook = (reader.aba.register_forward_hook(lambda _, args, __: seen.append(args))
             if reader.aba is not None else None)
-    batch = {k: v.to(device) for k, v in split.collate(np.array(picks)).items()}
+    batch = to_device(split.collate(np.array(picks)), device)
     out = reader(batch)
     if hook is not None:
         hook.remove()

@@ -13,7 +13,7 @@ self-attention (mBloSA) with a directional mask ``M`` (a token sees only earlier
    feature, ``c = 5``), ``s_i = Σ_j softmax_j(f(x_i, x_j)) ⊙ x_j``, fused with a gate
    ``F = σ(W^f1 s + W^f2 x + b^f)``, ``mSA = F ⊙ x + (1 − F) ⊙ s``;
 2. block summary: ``v_l = Σ_i softmax_i(f(h^l_i)) ⊙ h^l_i``, the multi-dimensional
-   source2token attention ``f(h) = W σ(W^1 h + b^1) + b``;
+   source2token attention ``f(h) = W relu(W^1 h + b^1) + b`` (the activation is our choice);
 3. inter-block: ``o = mSA(v, M)`` over the ``m`` block vectors, gated ``G = σ(W^g1 o + W^g2 v
    + b^g)``, ``e = G ⊙ o + (1 − G) ⊙ v``;
 4. context fusion: ``e_l`` is given to every token of block ``l``;

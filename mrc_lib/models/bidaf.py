@@ -81,9 +81,9 @@ class BiDAF(nn.Module):
                 "end_logits": mask_logits(end.float(), c_mask),
                 "attention": attn.float()}
 
-    def analysis(self, split) -> dict:
+    def analysis(self, data, cfg) -> dict:
         """Figure payload: the context-to-query attention ``a_t`` of a few dev questions."""
-        return attention_payload(self, split)
+        return attention_payload(self, data.splits["dev"])
 
 
 def attention_payload(reader: nn.Module, split, examples: int = 2, tokens: int = 40) -> dict:

@@ -37,15 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.models import register
-from mrc_lib.models.aba import (
-    NO_ANSWERS,
-    at_attention,
-    at_output,
-    build_aba,
-    check_option,
-    last_token_outputs,
-)
-from mrc_lib.models.aba import analysis as aba_analysis
+from mrc_lib.models.aba import ABAReader
 from mrc_lib.models.inputs import InputEmbedding
 from mrc_lib.nn import (
     RNN,
@@ -99,7 +91,7 @@ class NoAnswerHead(nn.Module):
 
 
 @register("bidafpp")
-class BiDAFPP(nn.Module):
+class BiDAFPP(ABAReader):
     """The BiDAF++ reader for SQuAD 2.0, optionally with ABA.
 
     Args:
@@ -123,7 +115,6 @@ class BiDAFPP(nn.Module):
                  aba_lam: str = "paper", aba_order: str = "paper", aba_feed: str = "output",
                  use_features: bool = False):
         super().__init__()
-        check_option("no_answer", no_answer, NO_ANSWERS)
         # 1. GloVe and char CNN, no highway.
         self.embed = InputEmbedding(vocab, char_dim=char_dim, char_channels=char_channels,
                                     char_kernel=char_kernel, highway_layers=0,
@@ -134,13 +125,12 @@ class BiDAFPP(nn.Module):
         self.attention = BiDAFAttention(2 * hidden)
         self.attn_proj = linear_relu(8 * hidden, proj, dropout)
         # ABA over [E; C¹; A], A of width proj either way.
-        self.aba = build_aba([self.embed.out_dim, 2 * hidden, proj], dropout, aba=aba,
-                             lam=aba_lam, hos_order=aba_order, feed=aba_feed,
-                             attention_dim=8 * hidden)
+        x_dim = self.init_aba([self.embed.out_dim, 2 * hidden, proj], dropout,
+                              no_answer=no_answer, aba=aba, aba_lam=aba_lam, aba_order=aba_order,
+                              aba_feed=aba_feed, attention_dim=8 * hidden, output_dim=proj)
         # 4. Residual self-attention.
         self.self_attention = SelfAttention(proj, hidden, dropout)
-        # 5. Start and end: BiGRU + linear each, reading x (or I).
-        x_dim = self.aba.out_dim if self.aba is not None and aba_feed == "output" else proj
+        # 5. Start and end: BiGRU + linear each, reading x (or I, x_dim wide).
         self.start_rnn = RNN(x_dim, hidden, cell="gru", dropout=dropout)
         self.end_rnn = RNN(x_dim + 2 * hidden, hidden, cell="gru", dropout=dropout)
         self.w_start = nn.Sequential(LockedDropout(dropout), nn.Linear(2 * hidden, 1))
@@ -162,22 +152,16 @@ class BiDAFPP(nn.Module):
         q = self.layers(batch["q_words"], batch["q_chars"], q_mask)
         # 3. ReLU(W G), or ReLU(W I) with ABA fed at the attention.
         g, attn = self.attention(p[-1], q[-1], c_mask, q_mask)
-        x, attn = at_attention(self, p, q, g, attn, c_mask, q_mask)
+        x, attn = self.at_attention(p, q, g, attn, c_mask, q_mask)
         # 4. Then I in place of x with ABA fed at the output layer.
         x = self.self_attention(x, c_mask)
-        x, attn = at_output(self, p, q, x, attn, c_mask, q_mask)
+        x, attn = self.at_output(p, q, x, attn, c_mask, q_mask)
         # 5.
         h_start = self.start_rnn(x, c_mask)
         h_end = self.end_rnn(torch.cat([x, h_start], dim=-1), c_mask)
         start = mask_logits(self.w_start(h_start).squeeze(-1).float(), c_mask)
         end = mask_logits(self.w_end(h_end).squeeze(-1).float(), c_mask)
-        out = {"attention": attn.float()}
-        if self.no_answer is None:
-            return {**out, **last_token_outputs(start, end, batch)}
-        # 6.
-        na = self.no_answer(torch.cat([h_start, h_end], dim=-1), start, end, c_mask)
-        return {**out, "start_logits": start, "end_logits": end, "na_logits": na}
-
-    def analysis(self, split) -> dict:
-        """The chapter's payload (:func:`mrc_lib.models.aba.analysis`)."""
-        return aba_analysis(self, split)
+        # 6. (or the passage's last token)
+        na = (self.no_answer(torch.cat([h_start, h_end], dim=-1), start, end, c_mask)
+              if self.no_answer is not None else None)
+        return self.outputs(start, end, attn, batch, na)

@@ -30,6 +30,7 @@ from mrc_lib.checkpoint import (
 )
 from mrc_lib.data.cloze import ClozeSet, ReaderSplit
 from mrc_lib.errors import UserError
+from mrc_lib.inference import to_device
 from mrc_lib.models.ea_reader import EAReader, cloze_loss, predict
 from mrc_lib.utils import atomic_write_json
 
@@ -74,7 +75,7 @@ def accuracy(model: nn.Module, data: ClozeSet, word_ids: np.ndarray, cfg: ClozeC
     device = torch.device(cfg.device)
     correct = total = 0
     for batch in batches(data, word_ids, cfg.eval_batch_size, cfg.max_eval):
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with autocast(device):
             out = model(batch)
         correct += int((predict(out) == batch["answer"]).sum())
@@ -149,7 +150,7 @@ def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, data: ClozeS
     model.train()
     device = torch.device(cfg.device)
     for batch in batches(data, word_ids, cfg.batch_size, cfg.max_train, [cfg.seed, epoch]):
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = to_device(batch, device)
         with autocast(device):
             out = model(batch)
         loss = cloze_loss(out["logits"], out["candidates"], batch["answer"])

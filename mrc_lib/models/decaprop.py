@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from mrc_lib.errors import UserError
 from mrc_lib.models import register
 from mrc_lib.models.rnet import Affinity, BiRNNPointer, InputEncoder, MatchingCore
-from mrc_lib.nn import RNN, c2q_attention, context_to_query
+from mrc_lib.nn import RNN, context_to_query
 
 COMPRESSORS = ("fm", "linear", "nonlinear")
 CORE_CONNECTORS = ("eq9", "12n")
@@ -110,10 +110,6 @@ class BAC(nn.Module):
     def one_sided(self, p: Tensor, q: Tensor, p_mask: Tensor, q_mask: Tensor) -> Tensor:
         """``F'_C`` of Eq. 9: the left sequence's ``g^p`` only."""
         return self.compress(p, context_to_query(self.affinity(p, q), q, q_mask), p_mask)
-
-    def attention(self, p: Tensor, q: Tensor, q_mask: Tensor) -> Tensor:
-        """``Softmax(E)``, the passage-to-query weights of Eq. 2: ``[B, Lp, Lq]``."""
-        return c2q_attention(self.affinity(p, q), q_mask)
 
 
 class DecaEnc(nn.Module):
@@ -281,9 +277,10 @@ class DecaProp(nn.Module):
         return {"start_logits": start, "end_logits": end,
                 **({"attention": attn.float()} if attn is not None else {})}
 
-    def analysis(self, split) -> dict:
+    def analysis(self, data, cfg) -> dict:
         """The connector figure's payload: DecaEnc's passage-side features ``Z_p`` (Eq. 5) for
         the first words of the first dev examples, with the layer pairs and the words."""
+        split = data.splits["dev"]
         if not self.enc.dense:
             return {}
         picks = np.arange(min(ANALYSIS_EXAMPLES, len(split)))

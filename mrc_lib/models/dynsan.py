@@ -131,7 +131,6 @@ class Baseline(nn.Module):
         return self.layer(x, mask), None
 
 
-
 @dataclass
 class Encoding:
     """Layers 1-4 of a batch: ``S`` ``[B, L, D]`` and what the heads need around it."""
@@ -140,7 +139,7 @@ class Encoding:
     layout: PassageLayout
     c_mask: Tensor
     attention: Tensor  # context-to-query attention, [B, L, Lq]
-    gates: list  # [B, L, H] per layer -1, 0, 1..N over the context, for Figures 3-4
+    gates: list  # [B, L, H] per layer -1, 0, 1..N over the context, for Figures 3-4 (eval only)
     every_gate: list  # the question side and the head's blocks too, for the Eq. 6 penalty
 
 
@@ -188,6 +187,8 @@ class DynSAN(nn.Module):
         cross_passage, conv, attention, selection, gate: Table 3's ablations.
     """
 
+    FEATURES = False  # the context side gets the batch's ``c_feats`` (vocab.n_feats of them)
+
     def __init__(self, vocab, *, d_model: int = 128, heads: int = 8, top_k: int = 256,
                  num_blocks: int = 4, num_convs: int = 2, kernel_size: int = 7,
                  char_dim: int = 15, char_channels: int = 100, char_kernel: int = 5,
@@ -230,8 +231,6 @@ class DynSAN(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.build_head(d_model, make_block)
 
-    FEATURES = False  # the context side gets the batch's ``c_feats`` (vocab.n_feats of them)
-
     def build_head(self, d_model: int, make_block) -> None:
         """5. Prediction (Sec. 3.4.1): start pointer; end pointer conditioned on it through a
         block."""
@@ -244,14 +243,14 @@ class DynSAN(nn.Module):
         """Layer 1 without the positions: ``[B, L, D]``."""
         return self.embed_proj(self.embed(words, chars, feats))
 
-    def apply(self, blk: nn.Module, x: Tensor, enc: Encoding, per_passage: bool,
-              figure: bool = True) -> Tensor:
+    def run_block(self, blk: nn.Module, x: Tensor, enc: Encoding, per_passage: bool,
+                  figure: bool = True) -> Tensor:
         """A block over the passages apart (``[B·M, Lp]``) or all together (``[B, L]``); its
-        gates are kept for the penalty and (``figure``) for Figures 3-4."""
+        gates are kept for the penalty and, outside training, (``figure``) for Figures 3-4."""
         y, g = blk(x, enc.layout.passage_mask if per_passage else enc.c_mask)
         if g is not None:
             enc.every_gate.append(g)
-            if figure:
+            if figure and not self.training:
                 enc.gates.append(enc.layout.merge(g) if per_passage else g)
         return y
 
@@ -259,8 +258,8 @@ class DynSAN(nn.Module):
                       figure: bool = True) -> Tensor:
         """A block over the whole context: across passages, or inside each (ablation (a))."""
         if self.cross_passage:
-            return self.apply(blk, x, enc, False, figure)
-        return enc.layout.merge(self.apply(blk, enc.layout.split(x), enc, True, figure))
+            return self.run_block(blk, x, enc, False, figure)
+        return enc.layout.merge(self.run_block(blk, enc.layout.split(x), enc, True, figure))
 
     def encode(self, batch: dict[str, Tensor]) -> Encoding:
         """Layers 1-4: ``S``, the output of the cross-passage attention layer."""
@@ -274,7 +273,7 @@ class DynSAN(nn.Module):
         c = self.embed_side(batch["c_words"], batch["c_chars"], feats)
         c = add_positions(layout.split(c))
         q = add_positions(self.embed_side(batch["q_words"], batch["q_chars"]))
-        c = self.apply(self.encoder, self.dropout(c), enc, True)
+        c = self.run_block(self.encoder, self.dropout(c), enc, True)
         q, g_q = self.encoder(self.dropout(q), q_mask)
         if g_q is not None:
             enc.every_gate.append(g_q)
@@ -282,7 +281,7 @@ class DynSAN(nn.Module):
         g, attn = self.attention(c, q.repeat_interleave(M, 0), p_mask,
                                  q_mask.repeat_interleave(M, 0))
         enc.attention = layout.merge(attn).float()
-        c = self.apply(self.aligned, self.dropout(self.attn_proj(g)), enc, True)
+        c = self.run_block(self.aligned, self.dropout(self.attn_proj(g)), enc, True)
         # Layer 4: all passages in rank order: S.
         s = layout.merge(c) + self.rank(passage.clamp(max=self.rank.num_embeddings - 1))
         for blk in self.blocks:
@@ -291,7 +290,8 @@ class DynSAN(nn.Module):
         return enc
 
     def finish(self, out: dict[str, Tensor], enc: Encoding) -> dict[str, Tensor]:
-        """Add the gates (Figures 3-4) and, in training, the Eq. 6 penalty to ``out``."""
+        """Add the gates (Figures 3-4; outside training) and, in training, the Eq. 6 penalty to
+        ``out``."""
         if enc.gates:
             out["gates"] = torch.stack(enc.gates, dim=1).float()  # [B, layers, L, H]
         if self.training and self.beta > 0 and enc.every_gate:
@@ -313,8 +313,9 @@ class DynSAN(nn.Module):
         return self.finish(out, enc)
 
     @torch.no_grad()
-    def analysis(self, split) -> dict:
-        """Figures 3 and 4 from the gates, on the first dev questions (Secs. 4.5-4.6).
+    def analysis(self, data, cfg) -> dict:
+        """Figures 3 and 4 from the gates, on the first dev questions (Secs. 4.5-4.6); in eval
+        mode, as the trainer calls it (training steps keep no gates for the figures).
 
         A token's *activity* in a block is its maximum gate over the heads (raw ``g``, not
         divided by ``max(g_h)`` as in Eq. 3). Layers are indexed as in the paper's Figure 4:
@@ -325,6 +326,7 @@ class DynSAN(nn.Module):
         ``figure3``: for the first questions, every token's activity summed over the
         cross-passage blocks, by which the paper ranks tokens. Empty for readers without gates.
         """
+        split = data.splits["dev"]
         device = next(self.parameters()).device
         n = min(len(split), ANALYSIS_EXAMPLES)
         bands, active, cases = None, None, []

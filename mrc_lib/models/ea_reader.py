@@ -8,13 +8,14 @@ in the document; the answer is the candidate that fills the blank.
 * MSCF, Multi-Space based Context Fusion (Eqs. 2, 5-7): ``D`` and ``q`` are projected into ``L``
   subspaces of width ``2h/L`` (Eq. 2); in each, the *bit-wise* score map
   ``A^l_{:,i} = W^l tanh(d^l_i ⊙ q^l)`` gives one score per token *and feature*, normalized over
-  the tokens separately for every feature (Eq. 5); ``c^l = Σ_i Ã^l_{:,i} ⊙ d^l_i`` (Eq. 6) and
+  the tokens separately for every feature (Eq. 5; the axis is our reading, the paper does not
+  name it); ``c^l = Σ_i Ã^l_{:,i} ⊙ d^l_i`` (Eq. 6) and
   ``o = relu(W_c [c^1; ...; c^L])`` (Eq. 7).
 * Token-wise scoring functions for the ablations (one score per token, shared by its
   features): bilinear ``(d^l_i)^T W_b^l q^l`` (Eq. 3, the Stanford AR's), additive
   ``(w^l)^T tanh(W_1^l d^l_i + W_2^l q^l)`` (Eq. 4), the dot product ``(d^l_i)^T q^l``
   (the paper's "multiplicative attention", Table 3) and multi-head attention (Vaswani et al.,
-  2017; Table 3), which adds to Eq. 2's query and key projections a value projection
+  2017; Table 3), built by us from Eq. 2's maps as query and key projections, a value projection
   ``v^l_i = W_v^l d_i`` and scores ``(d^l_i)^T q^l / sqrt(2h/L)``; its output projection is
   Eq. 7's ``W_c``.
 * Multi-hop reading (Eqs. 8-10): the memory starts as ``M_0 = D`` and the state as ``s_0 = q``;
@@ -24,8 +25,10 @@ in the document; the answer is the candidate that fills the blank.
   every token. ``W_s``, ``W_e``, ``W_m`` are shared across hops, as the paper states. Whether
   MSCF is shared the paper does not say; we read "multiple memory modules are stacked" as one
   MSCF per hop (default) and offer ``share_mscf=True``. Without write, ``M_t = D``.
-* Answer (Eq. 11): ``p = softmax(W_a s_T)`` restricted to the candidates that occur in the
-  document. ``W_a`` is tied to the word embeddings through a learned projection,
+* Answer (Eq. 11): ``p = softmax(W_a s_T)``, and the most probable entity that appears in the
+  document is the answer. We normalize over those candidates only, in training too (our
+  choice: the paper writes the softmax over tokens and restricts only the prediction).
+  ``W_a`` is tied to the word embeddings through a learned projection,
   ``W_a = E P`` (our choice: the paper does not say how ``W_a`` is parameterized; tying
   gives an answer never seen in training a GloVe-initialized row, and an anonymized marker
   ``@entityN`` its own trained row). ``readout="context"`` answers from the last context
@@ -99,7 +102,8 @@ class MSCF(nn.Module):
 
     ``projections=False``: identity maps in Eq. 2 (one reading of Table 1's "w/o multi-space
     projections"; the other is ``subspaces=1``). ``fusion=False`` (only with ``L = 1``) also
-    drops the fusion layer: ``o = c``, the Stanford AR's output.
+    drops the fusion layer: ``o = c``, the Stanford AR's output. The fusion layer ``W_c`` has
+    a bias, which Eq. 7 does not write.
     """
 
     def __init__(self, dim: int, subspaces: int = 6, scoring: str = "bitwise",
@@ -134,7 +138,8 @@ class MSCF(nn.Module):
 
 class MemoryWrite(nn.Module):
     """Gated write (Eqs. 9-10): ``G = σ(W_e [e ⊗ r_m] + W_m M)``,
-    ``M' = G ⊙ (e ⊗ r_m) + (1 − G) ⊙ M``; padding rows stay 0."""
+    ``M' = G ⊙ (e ⊗ r_m) + (1 − G) ⊙ M``; padding rows stay 0. The gate has a bias (in
+    ``W_e``), which Eq. 9 does not write."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()

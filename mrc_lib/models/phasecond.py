@@ -24,8 +24,13 @@ Readings where the paper is ambiguous (the chapter names the alternatives):
   previous layer") have ``h^{t-1}``; ``B^0`` is not defined. We read ``B^{t-1}`` as ``h^{t-1}``.
 * The outer fusion's output is written ``C^N``: we read the number of its highway layers ``K``
   as ``N`` (``fusion_layers=None``); any other ``K`` is a switch.
-* The paper says "without loss of generality" that ``QPAtt+`` is Eq. 5 with ``v^Q``; without it
-  the values are ``u^Q`` (Table 2's plain rows).
+* ``QPAtt+`` (Sec. 3.2: additional question encoders extending the question-passage attention)
+  is Eq. 5 with ``v^Q``; without it we read the values as ``u^Q`` (Table 2's plain rows, Table 1's
+  MReader row ``softmax(HUᵀ)U``).
+* Sec. 2's general template, ``{L^Q → F_inner}×N → F_outer → {L^S → F_inner}×L → F_outer``, has
+  an inner fusion after each question-passage layer and a final outer fusion; we build the
+  concrete path Sec. 3.2 gives for PhaseCond, ``L^Q_1 → L^Q_2 → F_outer → L^S_1 → F_inner →
+  L^S_2 → F_inner``.
 
 Our choices (the paper is silent): the number of fusion (highway) layers over the input
 features, the sizes of the character, tag and question-type embeddings, the question-type
@@ -43,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
+from mrc_lib.inference import to_device
 from mrc_lib.models import register
 from mrc_lib.models.inputs import InputEmbedding
 from mrc_lib.nn import RNN, Highway, c2q_attention, mask_logits, masked_softmax, span_loss
@@ -179,8 +185,8 @@ class PhaseCondInput(nn.Module):
 
     * exact match (Chen et al. 2017), three binary features in both directions: a passage word
       gets "occurs in the question" (original form, lower case, lemma; the batch's
-      ``c_feats[..., :3]``), a question word "occurs in the passage" (original form and lower
-      case from ``q_feats``; the lemma bit is zero because the prepared data keeps no lemmas);
+      ``c_feats[..., :3]``), a question word "occurs in the passage" (the same three bits,
+      ``q_feats``; the lemma bits need data prepared with a tagging pipeline, else they are 0);
     * POS and NER tag embeddings (needs data prepared with a tagging pipeline; ``use_tags``);
     * the question-type embedding (Zhang et al. 2017) on the question's words; passage words get
       zeros in its place so that the shared encoder of Eqs. 2-3 sees one input size (ours).
@@ -214,8 +220,7 @@ class PhaseCondInput(nn.Module):
         if "q_feats" not in batch:
             raise UserError("the batch has no question-side exact match (q_feats): batches of "
                             "mrc_lib.data.dataset.Split have it")
-        q = batch["q_feats"].float()
-        return torch.cat([q, q.new_zeros(*q.shape[:2], N_EXACT_MATCH - q.shape[-1])], dim=-1)
+        return batch["q_feats"].float()
 
     def question_type(self, batch: dict[str, Tensor], side: str, length: int) -> Tensor:
         """The question-type embedding on question words, zeros on passage words."""
@@ -242,7 +247,7 @@ class PhasedReader(nn.Module):
     are the same"): the input layer, the encoders of Eqs. 1-3 and the answer pointer.
 
     A subclass builds its attention stack over the passage in :meth:`attend`; the pointer reads
-    its output directly (Sec. 2.4: "the fused vectors are sent to the output layer").
+    its output directly (Sec. 2: "the fused vectors are sent to the output layer").
     """
 
     def __init__(self, vocab, *, hidden: int, dropout: float, char_dim: int, char_channels: int,
@@ -292,11 +297,12 @@ class PhasedReader(nn.Module):
             out["loss"] = last_hop_loss(out["start_logits"], out["end_logits"], batch)
         return out
 
-    def analysis(self, split) -> dict:
+    def analysis(self, data, cfg) -> dict:
         """What the chapter draws without the weights: Figure 3's scores for dev question 0
         and the top start/end probabilities of the first dev questions (Table 3's ensemble)."""
+        split = data.splits["dev"]
         device = next(self.parameters()).device
-        out = self(_to(split.collate(np.array([0])), device))
+        out = self(to_device(split.collate(np.array([0])), device))
         return {"figure3": figure3_payload(out["qp_scores"][0], out["self_scores"][0]),
                 "ensemble": top_probabilities(self, split, device)}
 
@@ -307,10 +313,6 @@ def last_hop_loss(start_logits: Tensor, end_logits: Tensor, batch: dict[str, Ten
     has = batch["has_answer"]
     y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
     return 2 * span_loss(start_logits, end_logits, y1, y2)  # span_loss averages the two terms
-
-
-def _to(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {k: v.to(device) for k, v in batch.items()}
 
 
 def row_correlation(scores: Tensor) -> float:
@@ -348,7 +350,7 @@ def top_probabilities(model: nn.Module, split, device: torch.device,
     n = min(ENSEMBLE_QUESTIONS, len(split))
     keep = {"start": [], "start_p": [], "end": [], "end_p": []}
     for lo in range(0, n, batch_size):
-        out = model(_to(split.collate(np.arange(lo, min(lo + batch_size, n))), device))
+        out = model(to_device(split.collate(np.arange(lo, min(lo + batch_size, n))), device))
         for side in ("start", "end"):
             p, idx = out[f"{side}_logits"].softmax(-1).topk(ENSEMBLE_TOP_K, dim=-1)
             keep[side] += idx.tolist()

@@ -120,6 +120,6 @@ class QANet(nn.Module):
                 "end_logits": mask_logits(end.float(), c_mask),
                 "attention": attn.float()}
 
-    def analysis(self, split) -> dict:
+    def analysis(self, data, cfg) -> dict:
         """Figure payload: the row-normalized similarity ``S̄`` of a few dev questions."""
-        return attention_payload(self, split)
+        return attention_payload(self, data.splits["dev"])

@@ -24,15 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.models import register
-from mrc_lib.models.aba import (
-    NO_ANSWERS,
-    at_attention,
-    at_output,
-    build_aba,
-    check_option,
-    last_token_outputs,
-)
-from mrc_lib.models.aba import analysis as aba_analysis
+from mrc_lib.models.aba import ABAReader
 from mrc_lib.models.bidafpp import NoAnswerHead
 from mrc_lib.models.qanet import QANet
 from mrc_lib.nn import mask_logits
@@ -52,7 +44,7 @@ def with_parent_hparams(cls):
 
 @register("qanet_na")
 @with_parent_hparams
-class QANetNA(QANet):
+class QANetNA(QANet, ABAReader):
     """QANet for SQuAD 2.0. Hyperparameters: QANet's, and
 
     Args:
@@ -67,15 +59,13 @@ class QANetNA(QANet):
                  aba: bool = False, aba_lam: str = "paper", aba_order: str = "paper",
                  aba_feed: str = "output", **hparams):
         super().__init__(vocab, **hparams)
-        check_option("no_answer", no_answer, NO_ANSWERS)
         d, p = self.attn_proj.out_features, self.dropout.p
         n_layers = len(self.emb_encoder.blocks)
         a_dim = 3 * d if aba_feed == "output" else d
-        self.aba = build_aba([d] * (n_layers + 1) + [a_dim], p, aba=aba, lam=aba_lam,
-                             hos_order=aba_order, feed=aba_feed, attention_dim=4 * d)
-        x_dim = 3 * d
+        x_dim = self.init_aba([d] * (n_layers + 1) + [a_dim], p, no_answer=no_answer, aba=aba,
+                              aba_lam=aba_lam, aba_order=aba_order, aba_feed=aba_feed,
+                              attention_dim=4 * d, output_dim=3 * d)
         if self.aba is not None and aba_feed == "output":  # p1 = softmax(W1 I), p2 = softmax(W2 I)
-            x_dim = self.aba.out_dim
             self.w1, self.w2 = nn.Linear(x_dim, 1, bias=False), nn.Linear(x_dim, 1, bias=False)
         self.no_answer = NoAnswerHead(x_dim, na_hidden, p) if no_answer == "head" else None
 
@@ -95,14 +85,14 @@ class QANetNA(QANet):
         q = self.layers(batch["q_words"], batch["q_chars"], q_mask)
         # Layer 3: W[c; a; c⊙a; c⊙b], or W·I with ABA fed at the attention.
         g, attn = self.attention(p[-1], q[-1], c_mask, q_mask)
-        x, attn = at_attention(self, p, q, g, attn, c_mask, q_mask)
+        x, attn = self.at_attention(p, q, g, attn, c_mask, q_mask)
         # Layer 4 as in QANet.
         m0 = self.model_encoder(self.dropout(x), c_mask)
         m1 = self.model_encoder(self.dropout(m0), c_mask)
         m2 = self.model_encoder(self.dropout(m1), c_mask)
         # Layer 5: W1[M0; M1], W2[M0; M2], or W1 I, W2 I with ABA fed at the output layer.
         m = torch.cat([m0, m1, m2], dim=-1)
-        x, attn = at_output(self, p, q, m, attn, c_mask, q_mask)
+        x, attn = self.at_output(p, q, m, attn, c_mask, q_mask)
         if x is m:
             start = self.w1(torch.cat([m0, m1], dim=-1))
             end = self.w2(torch.cat([m0, m2], dim=-1))
@@ -110,12 +100,7 @@ class QANetNA(QANet):
             start, end = self.w1(x), self.w2(x)
         start = mask_logits(start.squeeze(-1).float(), c_mask)
         end = mask_logits(end.squeeze(-1).float(), c_mask)
-        out = {"attention": attn.float()}
-        if self.no_answer is None:
-            return {**out, **last_token_outputs(start, end, batch)}
-        na = self.no_answer(x, start, end, c_mask)
-        return {**out, "start_logits": start, "end_logits": end, "na_logits": na}
+        na = self.no_answer(x, start, end, c_mask) if self.no_answer is not None else None
+        return self.outputs(start, end, attn, batch, na)
 
-    def analysis(self, split) -> dict:
-        """The chapter's payload (:func:`mrc_lib.models.aba.analysis`)."""
-        return aba_analysis(self, split)
+    analysis = ABAReader.analysis  # the chapter's payload, not QANet's

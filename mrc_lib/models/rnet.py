@@ -31,11 +31,11 @@ import math
 import torch
 from torch import Tensor, nn
 
+from mrc_lib.data.vocab import UNK  # the word id of words without an embedding of their own
 from mrc_lib.errors import UserError
 from mrc_lib.models import register
 from mrc_lib.nn import RNN, WordEmbedding, c2q_attention, mask_logits
 
-UNK = 1  # word id of the words without an embedding of their own (mrc_lib.data.vocab)
 GATES = ("p", "concat")
 N_INPUT_FEATURES = 2  # DecaProp Sec. 3.1: a binary match feature and a normalized frequency
 # Columns of the batch's c_feats and q_feats (mrc_lib.data.dataset): lower-case exact match in

@@ -40,15 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mrc_lib.models import register
-from mrc_lib.models.aba import (
-    NO_ANSWERS,
-    at_attention,
-    at_output,
-    build_aba,
-    check_option,
-    last_token_outputs,
-)
-from mrc_lib.models.aba import analysis as aba_analysis
+from mrc_lib.models.aba import ABAReader
 from mrc_lib.nn import RNN, LockedDropout, WordEmbedding, mask_logits, masked_softmax
 
 
@@ -101,7 +93,7 @@ class AnswerModule(nn.Module):
 
 
 @register("san")
-class SAN(nn.Module):
+class SAN(ABAReader):
     """The SAN reader for SQuAD 2.0, optionally with ABA.
 
     Args:
@@ -123,7 +115,6 @@ class SAN(nn.Module):
                  no_answer: str = "last_token", aba: bool = False, aba_lam: str = "paper",
                  aba_order: str = "paper", aba_feed: str = "output", use_features: bool = True):
         super().__init__()
-        check_option("no_answer", no_answer, NO_ANSWERS)
         self.word = WordEmbedding(torch.as_tensor(vocab.word_vectors, dtype=torch.float32),
                                   vocab.n_trainable)
         d_word = vocab.word_vectors.shape[1]
@@ -141,12 +132,11 @@ class SAN(nn.Module):
         self.memory_rnn = RNN(16 * hidden, hidden, dropout=dropout)
         # ABA over [E; C¹; C²; A]: A = M (output) or Uᵖ (attention).
         a_dim = 2 * hidden if aba_feed == "output" else 8 * hidden
-        self.aba = build_aba([d_lexicon, 2 * hidden, 2 * hidden, a_dim], dropout, aba=aba,
-                             lam=aba_lam, hos_order=aba_order, feed=aba_feed,
-                             attention_dim=8 * hidden)
+        memory = self.init_aba([d_lexicon, 2 * hidden, 2 * hidden, a_dim], dropout,
+                               no_answer=no_answer, aba=aba, aba_lam=aba_lam, aba_order=aba_order,
+                               aba_feed=aba_feed, attention_dim=8 * hidden, output_dim=2 * hidden)
         self.attn_proj = nn.Identity()  # Uᵖ is the attention layer's output as it is
-        # 4. Answer module over M (or I).
-        memory = self.aba.out_dim if self.aba is not None and aba_feed == "output" else 2 * hidden
+        # 4. Answer module over M (or I, memory wide).
         self.w4 = nn.Linear(4 * hidden, 1, bias=False)
         self.answer = AnswerModule(4 * hidden, memory, steps, step_dropout)
         # 5. SAN's classifier.
@@ -193,23 +183,18 @@ class SAN(nn.Module):
         h_p, h_q = torch.cat(p[1:], -1), torch.cat(q[1:], -1)
         # 3. Uᵖ (or I with ABA fed at the attention), then M (or I fed at the output).
         u, attn = self.memory_attention(h_p, h_q, c_mask, q_mask)
-        u, attn = at_attention(self, p, q, u, attn, c_mask, q_mask)
-        m, attn = at_output(self, p, q, self.memory(u, c_mask), attn, c_mask, q_mask)
+        u, attn = self.at_attention(p, q, u, attn, c_mask, q_mask)
+        m, attn = self.at_output(p, q, self.memory(u, c_mask), attn, c_mask, q_mask)
         # 4.
         s0 = (masked_softmax(self.w4(h_q).squeeze(-1), q_mask).unsqueeze(1) @ h_q).squeeze(1)
         p_begin, p_end = self.answer(s0, m, c_mask)
         tiny = torch.finfo(p_begin.dtype).tiny
         start = mask_logits(p_begin.clamp_min(tiny).log().float(), c_mask)
         end = mask_logits(p_end.clamp_min(tiny).log().float(), c_mask)
-        out = {"attention": attn.float()}
         if self.classifier is None:
-            return {**out, **last_token_outputs(start, end, batch)}
+            return self.outputs(start, end, attn, batch)
         # 5. P^u = σ(w₈ [s₀; m]).
         gamma = masked_softmax(self.classifier["w9"](m).squeeze(-1), c_mask)
         summary = (gamma.unsqueeze(1) @ m).squeeze(1)
         na = self.classifier["w8"](torch.cat([s0, summary], -1)).squeeze(-1).float()
-        return {**out, "start_logits": start, "end_logits": end, "na_logits": na}
-
-    def analysis(self, split) -> dict:
-        """The chapter's payload (:func:`mrc_lib.models.aba.analysis`)."""
-        return aba_analysis(self, split)
+        return self.outputs(start, end, attn, batch, na)
