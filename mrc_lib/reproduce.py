@@ -51,8 +51,9 @@ After a successful run, and only then: ``book/NAME.ipynb`` (the executed noteboo
                   "duration_s", "timestamp", "parameters",
                   "runs": {run: where its metrics came from (mrc_lib.notebook.Run.runs)}}}
 
-and regenerates ``book/reproductions.md`` (:mod:`mrc_lib.book`). A smoke run never replaces a
-full-profile result unless ``--force``. Every file is written atomically.
+and regenerates ``book/reproductions.md`` (:mod:`mrc_lib.book`). A smoke run starts from an
+empty run folder (``runs/NAME/smoke``); a full one resumes the checkpoints it finds there. A
+smoke run never replaces a full-profile result unless ``--force``. Every file is written atomically.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -284,6 +286,8 @@ def reproduce(name: str, profile: str, params: dict | None = None, force: bool =
     training it, unless ``retrain`` (:mod:`mrc_lib.records`)."""
     check_overwrite(layout, name, profile, force)
     out_dir = layout.runs / name / profile
+    if profile == "smoke":  # minutes of CPU: start afresh, never resume runs of older code
+        shutil.rmtree(out_dir, ignore_errors=True)
     (out_dir / "results.json").unlink(missing_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     # The kernel runs in notebooks/: a relative MRC_DATA_DIR (relative to where we run) is

@@ -68,6 +68,9 @@ def smoke_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("project")
     write_chapter(root)
     (root / "data").mkdir()
+    stale = root / "runs" / "01_tiny" / "smoke" / "bidaf" / "checkpoint.pt"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("a run of older code")
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(root)
         mp.setenv("MRC_DATA_DIR", "data")
@@ -89,6 +92,11 @@ def test_publishes_notebook_results_and_figure(smoke_run):
     executed = nbformat.read(root / "book" / "01_tiny.ipynb", as_version=4)
     assert [c.outputs for c in executed.cells if c.cell_type == "code"]  # was executed
     assert executed.metadata.papermill.input_path == "notebooks/01_tiny.ipynb"
+
+
+def test_smoke_starts_from_an_empty_run_folder(smoke_run):
+    root, _ = smoke_run
+    assert not (root / "runs" / "01_tiny" / "smoke" / "bidaf").exists()
 
 
 def test_parameters_reach_the_notebook(smoke_run):
