@@ -1,5 +1,5 @@
 """Throughput and peak memory of a reader at a profile's size (``full`` by default), on
-synthetic batches.
+synthetic batches (which carry the keys of every task's batches).
 
 The reader is built with the profile's hyperparameters over a random vocabulary the
 size of SQuAD v1.1's with GloVe 50d, and fed random batches with contexts of ``seq_len``
@@ -37,6 +37,7 @@ SQUAD_TRAIN_EXAMPLES = 87_599
 QUESTION_LEN = 30
 WORD_CHARS = 16  # the data pipeline truncates words to 16 characters
 WARMUP_STEPS = 3
+CANDIDATES = 10  # candidates per question in synthetic batches (the CBT's number)
 
 
 @dataclass
@@ -60,7 +61,10 @@ class SyntheticVocab:
 
 def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
                     question_len: int = QUESTION_LEN, seed: int = 0) -> dict[str, Tensor]:
-    """A random batch with every key of :mod:`mrc_lib.data` batches and no padding."""
+    """A random batch with every key of :mod:`mrc_lib.data` batches and no padding: those of a
+    SQuAD batch, and those of the choice tasks' batches (:mod:`mrc_lib.data.choice`), whose
+    document is the context, whose query is the question and whose candidates are the words of
+    the first (up to) :data:`CANDIDATES` context positions, the answer the first of them."""
     g = torch.Generator().manual_seed(seed)
     V = len(vocab.word_vectors)
 
@@ -76,13 +80,21 @@ def synthetic_batch(vocab: SyntheticVocab, batch_size: int, context_len: int,
             for kind, names in (("pos", vocab.pos_tags), ("ner", vocab.ner_tags))}
     y1 = torch.randint(0, context_len, (batch_size,), generator=g)
     y2 = (y1 + torch.randint(0, 15, (batch_size,), generator=g)).clamp(max=context_len - 1)
+    n_cands = min(CANDIDATES, context_len)
+    position = torch.arange(context_len).expand(batch_size, -1)
+    choice = {"doc_words": c_words, "doc_forms": c_words, "doc_mask": c_mask,
+              "query_words": q_words, "query_mask": q_mask,
+              "cand_words": c_words[:, :n_cands], "cand_forms": c_words[:, :n_cands],
+              "cand_index": position.where(position < n_cands, -1),
+              "cand_mask": torch.ones(batch_size, n_cands, dtype=torch.bool),
+              "answer": torch.zeros(batch_size, dtype=torch.long)}
     return {"c_words": c_words, "c_chars": c_chars, "c_mask": c_mask,
             "q_words": q_words, "q_chars": q_chars, "q_mask": q_mask,
             "c_feats": torch.rand(batch_size, context_len, vocab.n_feats, generator=g),
             "q_feats": torch.randint(0, 2, (batch_size, question_len, 3), generator=g).float(),
             "q_type": torch.zeros(batch_size, dtype=torch.long), "y1": y1, "y2": y2,
             "has_answer": torch.ones(batch_size, dtype=torch.bool),
-            "idx": torch.arange(batch_size), **tags}
+            "idx": torch.arange(batch_size), **tags, **choice}
 
 
 def _seconds(fn: Callable[[], object], steps: int, device: torch.device,

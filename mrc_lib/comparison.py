@@ -144,12 +144,13 @@ def claims(records: list[dict]) -> list[list]:
 
 def span_readers(profile: str = "smoke") -> tuple[list[str], dict[str, str]]:
     """The registry's span readers (``mrc_lib.models.MODELS``, enumerated), and the others with
-    why they are left out: a reader with a no-answer head is a SQuAD 2.0 reader, and one that
-    cannot read a span batch (or has no ``profile`` section) is another task's."""
+    why they are left out: a reader whose profile trains it on a choice task
+    (:mod:`mrc_lib.tasks`), a reader with a no-answer head (a SQuAD 2.0 reader), and one that
+    cannot read a span batch."""
     import torch
 
     from mrc_lib.bench import SyntheticVocab, synthetic_batch
-    from mrc_lib.config import resolve_config
+    from mrc_lib.config import SPAN_TASKS, resolve_config
     from mrc_lib.models import MODELS, _import_readers, build_model
 
     _import_readers()
@@ -157,8 +158,11 @@ def span_readers(profile: str = "smoke") -> tuple[list[str], dict[str, str]]:
     batch = synthetic_batch(vocab, 1, 32)
     readers, excluded = [], {}
     for name in sorted(MODELS):
+        cfg = resolve_config(name, profile=profile)
+        if cfg.task not in SPAN_TASKS:
+            excluded[name] = f"a {cfg.task.replace('_', '-')} reader, not a span reader"
+            continue
         try:
-            cfg = resolve_config(name, profile=profile)
             with torch.no_grad():
                 out = build_model(name, vocab, **cfg.hparams).eval()(batch)
         except Exception as e:  # noqa: BLE001 - any failure means: not a span reader here

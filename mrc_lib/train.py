@@ -1,10 +1,10 @@
 """The training engine shared by every reader.
 
-One loop trains any reader of :mod:`mrc_lib.models` on a prepared SQuAD split, as the papers
-describe it: minimize the span negative log-likelihood (BiDAF Eq. 6) with Adam or Adadelta, a
-learning-rate warm-up (QANet Sec. 3.1), gradient clipping and an exponential moving average
-of the weights, which is what gets evaluated and saved. Every epoch ends with the official
-SQuAD evaluation on dev.
+One loop trains any reader of :mod:`mrc_lib.models` on any task of :mod:`mrc_lib.tasks` (span
+extraction, SQuAD 2.0, cloze, multiple choice), as the papers describe it: minimize the task's
+loss with Adam or Adadelta, a learning-rate warm-up (QANet Sec. 3.1), gradient clipping and an
+exponential moving average of the weights, which is what gets evaluated and saved. Every epoch
+ends with the task's official evaluation on dev (and on test, where the task's data has one).
 
 A run lives in one directory ``OUT``:
 
@@ -16,8 +16,8 @@ A run lives in one directory ``OUT``:
   at each epoch end and when a ``deadline`` stops the run, as a manifest and parts of at most
   15 MiB (:func:`mrc_lib.checkpoint.save_checkpoint`);
 * ``metrics.json``, ``predictions.json`` (``na_prob.json`` for readers with a no-answer head),
-  ``model.pt`` (averaged weights) and ``vocab/``: the latest epoch's results, enough for
-  :func:`predict_cli`.
+  ``model.pt`` (averaged weights) and, for the SQuAD tasks, ``vocab/``: the latest epoch's
+  results, enough for :func:`predict_cli`.
 
 Under ``torchrun`` (``WORLD_SIZE > 1``) each process takes every ``world_size``-th batch of the
 same deterministic order, gradients are averaged by DistributedDataParallel and only rank 0
@@ -42,7 +42,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
@@ -55,13 +54,13 @@ from mrc_lib.checkpoint import (
     seed_everything,
     set_rng_state,
 )
-from mrc_lib.config import TrainConfig, apply_overrides, resolve_config
+from mrc_lib.config import SPAN_TASKS, TrainConfig, apply_overrides, resolve_config
+from mrc_lib.data.vocab import Vocab
 from mrc_lib.errors import UserError
 from mrc_lib.inference import autocast, predict_spans, to_device
-from mrc_lib.metrics import evaluate as official_evaluate
 from mrc_lib.models import build_model
-from mrc_lib.nn import span_loss
 from mrc_lib.nn.embedding import WordEmbedding
+from mrc_lib.tasks import get_task
 from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
 
 # Config keys that may differ when a run is resumed; any other change is refused.
@@ -137,16 +136,10 @@ def warmup_factor(k: int, warmup_steps: int, kind: str) -> float:
     return math.log(k + 1) / math.log(warmup_steps + 1)
 
 
-def plateau_score(dev: dict, cfg: TrainConfig) -> float:
-    """The dev score the plateau decay watches (``cfg.plateau_metric``): F1, or exact match
-    (``exact_match`` in the v1.1 evaluation, ``exact`` in v2.0)."""
-    return dev["f1"] if cfg.plateau_metric == "f1" else dev.get("exact_match", dev.get("exact"))
-
-
 class LRSchedule:
     """``lr_k = lr · warmup(k) · factor^m``: the warm-up advances with every optimizer step, and
     ``m`` counts the plateaus, runs of ``plateau_patience`` epochs without a better dev score
-    (:func:`plateau_score`)."""
+    (the task's :meth:`~mrc_lib.tasks.Task.score` of ``cfg.plateau_metric``)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig):
         self.optimizer, self.cfg = optimizer, cfg
@@ -172,7 +165,7 @@ class LRSchedule:
         self._apply()
 
     def epoch_end(self, score: float) -> None:
-        """Call after each evaluation with the dev score (:func:`plateau_score`)."""
+        """Call after each evaluation with the dev score."""
         if self.cfg.plateau_factor is None:
             return
         if score > self.best:
@@ -206,60 +199,23 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
                 fused=device.type == "cuda")
 
 
-# --- loss, decoding, evaluation ----------------------------------------------------------------
-
-
-def reader_loss(out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-    """The span negative log-likelihood (BiDAF Eq. 6), averaged over the answerable examples,
-    plus the reader's own training term ``aux_loss`` if it returns one (e.g. DynSAN's L1 gate
-    penalty). A reader whose paper defines another objective returns it as ``loss`` (computed
-    in ``forward`` from the batch's targets), which replaces the span NLL. A reader that also
-    returns ``na_logits`` (SQuAD 2.0) adds the binary
-    cross-entropy of ``σ(na_logits)`` against "no answer"."""
-    aux = out["aux_loss"].float() if "aux_loss" in out else 0.0
-    if "loss" in out:  # a reader with its own objective (e.g. a loss over every answer occurrence)
-        return out["loss"].float() + aux
-    has = batch["has_answer"]
-    # Unanswerable examples get the target -100, which cross-entropy ignores in its mean.
-    y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
-    span = span_loss(out["start_logits"].float(), out["end_logits"].float(), y1, y2)
-    if "na_logits" not in out:
-        return span + aux
-    na = F.binary_cross_entropy_with_logits(out["na_logits"].float(), (~has).float())
-    return (na + span if has.any() else na) + aux  # the mean over no example is NaN
+# --- one step -----------------------------------------------------------------------------------
 
 
 def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer,
                cfg: TrainConfig, device: torch.device) -> Tensor:
-    """Forward, backward, gradient clipping and one optimizer step on a batch already on
-    ``device``; returns the loss, detached but left on the device (no synchronization)."""
+    """Forward, the task's loss, backward, gradient clipping and one optimizer step on a batch
+    already on ``device``; returns the loss, detached but left on the device (no
+    synchronization)."""
     with autocast(cfg, device):
         out = net(batch)
-    loss = reader_loss(out, batch)
+    loss = get_task(cfg.task).loss(out, batch)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip is not None:
         nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
     optimizer.step()
     return loss.detach()
-
-
-def evaluate_split(model: nn.Module, split, cfg: TrainConfig,
-                   device: torch.device) -> tuple[dict, dict[str, str], dict[str, float] | None]:
-    """Official scores of ``model`` on ``split``, with the predictions (qid → the best span's
-    text) and the no-answer probabilities (or ``None``). As in the official v2.0 evaluation, a
-    question counts as unanswered when its no-answer probability exceeds the threshold (1/2
-    here), and the best thresholds are searched over the raw spans."""
-    model.eval()
-    qids = split.qids
-    predictions, na_probs = {}, {}
-    for i, start, end, _, na in predict_spans(model, split, cfg, device):
-        predictions[qids[i]] = split.answer_text(i, start, end)
-        if na is not None:
-            na_probs[qids[i]] = na
-    na_probs = na_probs or None
-    scores = official_evaluate(split.squad_json(), predictions, na_probs, na_prob_thresh=0.5)
-    return scores, predictions, na_probs
 
 
 # --- the machine -------------------------------------------------------------------------------
@@ -346,12 +302,13 @@ class Progress:
     loss_sum: float = 0.0  # sum of the current epoch's losses so far
     seconds_per_epoch: list[float] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # one record per evaluation
-    best: dict | None = None  # the best evaluation: {"epoch", "f1", "dev"}
+    best: dict | None = None  # the best evaluation: {"epoch", "score", "dev", "test"}
     log_bytes: int = 0  # size of log.jsonl when the checkpoint was written
 
 
 class Trainer:
-    """Trains ``cfg.model`` on ``data.splits["train"]``, evaluating on ``data.splits["dev"]``."""
+    """Trains ``cfg.model`` on ``data.splits["train"]`` for ``cfg.task``, evaluating on
+    ``data.splits["dev"]`` (and ``["test"]``)."""
 
     def __init__(self, cfg: TrainConfig, out: Path, data, process: Process,
                  device: torch.device, deadline: float | None = None):
@@ -359,6 +316,7 @@ class Trainer:
         self.deadline = deadline  # time.time() at which to checkpoint and stop
         self.stopped = False  # the deadline stopped the run
         self.process, self.device = process, device
+        self.task = get_task(cfg.task)
         self.model = build_model(cfg.model, data.vocab, **cfg.hparams).to(device)
         self.ema = EMA(self.model, cfg.ema_decay) if cfg.ema_decay is not None else None
         self.optimizer = build_optimizer(cfg, self.model, device)
@@ -421,10 +379,13 @@ class Trainer:
             with open(self.out / "log.jsonl", "a+b") as log:
                 log.truncate(self.progress.log_bytes)  # drop lines after the checkpoint
             atomic_write_json(self.out / "config.json", self.cfg.to_dict())
-            self.data.vocab.save(self.out / "vocab")
+            if isinstance(self.data.vocab, Vocab):  # the SQuAD vocabulary: predict reloads it
+                self.data.vocab.save(self.out / "vocab")
 
     def _check_resumable(self, saved: dict) -> None:
-        now = self.cfg.to_dict()
+        """Refuse a resume whose config differs from the checkpoint's in more than
+        :data:`RESUMABLE_CHANGES` (a key the checkpoint predates counts at its default)."""
+        saved, now = TrainConfig.from_dict(saved).to_dict(), self.cfg.to_dict()
         changed = sorted(k for k in now if saved.get(k) != now[k] and k not in RESUMABLE_CHANGES)
         if changed:
             details = "; ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
@@ -542,27 +503,29 @@ class Trainer:
         self._log({"event": "deadline", "step": self.progress.global_step})
 
     def _end_epoch(self, finished: bool) -> None:
-        """Evaluate the averaged weights on dev, update the schedule and the history, write
-        the checkpoint and the run's outputs."""
+        """Evaluate the averaged weights on dev (and test, where the task's data has one),
+        update the schedule and the history, write the checkpoint and the run's outputs."""
         self._flush()
         self._tick()
-        progress = self.progress
+        progress, task = self.progress, self.task
         record = {"epoch": progress.epoch + 1, "step": progress.global_step,
                   "train_loss": progress.loss_sum / max(progress.step_in_epoch, 1),
                   "lr": self.schedule.lr, "seconds": progress.train_seconds}
         if self.process.is_main:
             tic = time.perf_counter()
             with averaged(self.model, self.ema):
-                dev, predictions, na_probs = evaluate_split(self.model, self.data.splits["dev"],
-                                                            self.cfg, self.device)
-                self._write_outputs(predictions, na_probs)
-            record.update(eval_seconds=time.perf_counter() - tic, dev=dev)
+                dev = task.evaluate(self.model, self.data.splits["dev"], self.cfg, self.device)
+                self._write_outputs(dev.files)
+                if "test" in self.data.splits:
+                    record["test"] = task.evaluate(self.model, self.data.splits["test"],
+                                                   self.cfg, self.device).scores
+            record.update(eval_seconds=time.perf_counter() - tic, dev=dev.scores)
         dev = self._broadcast(record.get("dev"))
-        dev_f1 = dev["f1"]
-        self.schedule.epoch_end(plateau_score(dev, self.cfg))
+        self.schedule.epoch_end(task.score(dev, self.cfg.plateau_metric))
         progress.history.append(record)
-        if progress.best is None or dev_f1 > progress.best["f1"]:
-            progress.best = {"epoch": record["epoch"], "f1": dev_f1, "dev": record.get("dev")}
+        if progress.best is None or task.score(dev) > progress.best["score"]:
+            progress.best = {"epoch": record["epoch"], "score": task.score(dev),
+                             "dev": record.get("dev"), "test": record.get("test")}
         progress.seconds_per_epoch.append(progress.train_seconds)
         progress.train_seconds = progress.loss_sum = 0.0
         if finished:
@@ -582,7 +545,7 @@ class Trainer:
         """The reader's figure payload (its optional ``analysis(data, cfg)`` method, averaged
         weights, eval mode): small JSON data the chapter draws from, kept in the run's record so
         that a figure can be redrawn without the weights."""
-        if not hasattr(self.model, "analysis"):
+        if getattr(self.model, "analysis", None) is None:
             return None
         with averaged(self.model, self.ema), torch.no_grad():
             self.model.eval()
@@ -603,11 +566,10 @@ class Trainer:
             with open(self.out / "log.jsonl", "a", encoding="utf-8") as log:
                 log.write(json.dumps(record) + "\n")
 
-    def _write_outputs(self, predictions: dict, na_probs: dict | None) -> None:
-        """The evaluated predictions and (averaged) weights."""
-        atomic_write_json(self.out / "predictions.json", predictions)
-        if na_probs is not None:
-            atomic_write_json(self.out / "na_prob.json", na_probs)
+    def _write_outputs(self, files: dict[str, dict]) -> None:
+        """The evaluation's files (the predictions...) and the (averaged) weights."""
+        for name, content in files.items():
+            atomic_write_json(self.out / name, content)
         with atomic_path(self.out / "model.pt") as tmp:
             torch.save(self.model.state_dict(), tmp)
 
@@ -617,9 +579,11 @@ class Trainer:
         last = progress.history[-1] if progress.history else {}
         best = progress.best or {}
         return {
-            "model": cfg.model, "dataset": cfg.dataset, "version": self.data.version,
-            "profile": cfg.profile,
+            "model": cfg.model, "dataset": cfg.dataset, "task": cfg.task,
+            "version": self.data.version, "profile": cfg.profile,
             "dev": last.get("dev"), "best_epoch": best.get("epoch"), "best_dev": best.get("dev"),
+            **({"test": last.get("test"), "best_test": best.get("test")}
+               if "test" in self.data.splits else {}),
             "epochs_run": len(progress.seconds_per_epoch), "steps": progress.global_step,
             "seconds_per_epoch": progress.seconds_per_epoch,
             "peak_memory_bytes": peak_memory_bytes(self.device),
@@ -634,17 +598,8 @@ class Trainer:
 
 
 def load_data(cfg: TrainConfig):
-    """The prepared train and dev splits that ``cfg`` names (SQuAD 2.0: the protocol of
-    :mod:`mrc_lib.data.squad2`, official when train-v2.0 is at hand, offline otherwise)."""
-    # the data pipeline imports spaCy: only when needed
-    from mrc_lib.data import load_prepared
-    from mrc_lib.data.squad2 import load_squad2
-
-    limits = {"limits": cfg.limits, "context_limit": cfg.context_limit,
-              "question_limit": cfg.question_limit, "glove": cfg.glove}
-    if cfg.dataset == "squad-v2.0":
-        return load_squad2(**limits)
-    return load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline, **limits)
+    """The data of ``cfg``'s task (:meth:`mrc_lib.tasks.Task.load`)."""
+    return get_task(cfg.task).load(cfg)
 
 
 def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None,
@@ -710,11 +665,13 @@ def _read_json(path: Path, what: str):
 
 
 def load_run(run: str | Path, device: torch.device) -> tuple[TrainConfig, object, nn.Module]:
-    """The configuration, vocabulary and averaged-weight reader (eval mode) of a trained run."""
-    from mrc_lib.data import Vocab
-
+    """The configuration, vocabulary and averaged-weight reader (eval mode) of a span task's
+    trained run."""
     run = Path(run)
     cfg = TrainConfig.from_dict(_read_json(run / "config.json", "run configuration"))
+    if cfg.task not in SPAN_TASKS:
+        raise UserError(f"{run}: a run of task {cfg.task!r}; predict answers SQuAD-style "
+                        "questions with a span reader's run")
     vocab = Vocab.load(run / "vocab")
     model = build_model(cfg.model, vocab, **cfg.hparams)
     if not (run / "model.pt").is_file():

@@ -32,7 +32,7 @@ from mrc_lib.models.aba import (
 )
 from mrc_lib.models.bidafpp import NoAnswerHead, SelfAttention
 from mrc_lib.nn import mask_logits, span_loss
-from mrc_lib.train import reader_loss
+from mrc_lib.tasks import get_task
 
 TINY = {"bidafpp": {"hidden": 8, "proj": 16, "char_dim": 4, "char_channels": 6, "na_hidden": 8},
         "qanet_na": {"d_model": 8, "heads": 2, "model_blocks": 1, "char_dim": 4,
@@ -334,7 +334,7 @@ def test_readers_outputs_masks_and_padding_invariance(name, aba, no_answer):
 @pytest.mark.parametrize("name", READERS)
 def test_gradients_reach_both_lambdas(name):
     net = model(name, aba=True).train()
-    reader_loss(net(batch()), batch()).backward()
+    get_task("span_na").loss(net(batch()), batch()).backward()
     for lam in (net.aba.lam_p.lam, net.aba.lam_q.lam):
         assert lam.grad is not None and lam.grad.abs().sum() > 0
     assert net.aba.attention.similarity.w.grad.abs().sum() > 0
@@ -345,7 +345,7 @@ def test_gradients_reach_lambda_and_every_projection_in_the_shared_scalar_option
     net = model(name, aba=True, aba_lam="shared_scalar").train()
     with torch.no_grad():
         net.aba.lam_p.lam.fill_(0.5)
-    reader_loss(net(batch()), batch()).backward()
+    get_task("span_na").loss(net(batch()), batch()).backward()
     assert (net.aba.lam_p.lam.grad != 0).all()
     for p in net.aba.lam_p.project.parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0

@@ -22,6 +22,7 @@ from mrc_lib.data.cloze import (
     read_cbt,
 )
 from mrc_lib.errors import UserError
+from mrc_lib.utils import file_digest
 
 NAMES = [f"name{i}" for i in range(14)]
 NOUNS = [f"noun{i}" for i in range(14)]
@@ -207,6 +208,32 @@ def test_cache_is_built_once_and_reloads(tmp_path, monkeypatch):
         "train-v1.1.json", "dev-v1.1.json"}
     cloze.load_wiki_cloze(**{**kwargs, "doc_sentences": 5})  # other parameters: new build
     assert len(calls) == 2
+    # Without the SQuAD files (a GPU machine given the cache alone): the cached set of the same
+    # parameters, not a build and not a download.
+    cached = cloze.load_wiki_cloze(**{**kwargs, "data_dir": tmp_path / "empty"})
+    assert len(calls) == 2 and cached.digests == first.digests
+    assert cached.sets["NE"]["test"].example(3) == examples[3]
+    with pytest.raises(UserError, match="squad-v1.1"):  # no cache of these parameters either
+        cloze.load_wiki_cloze(**{**kwargs, "data_dir": tmp_path / "empty", "seed": 7})
+
+
+def test_embedding_rows_are_cached_with_their_glove_digest(tmp_path, monkeypatch):
+    glove = tmp_path / "mirror" / "glove" / "glove.6B.50d.txt"
+    glove.parent.mkdir(parents=True)
+    glove.write_text("paris 1 2\nthe 0 1\n")
+    table = StringTable()
+    train = encode_examples([ClozeExample(["the", "zork", "paris"], [BLANK], "paris",
+                                          ["paris", "zork"])], table)
+    wiki = cloze.WikiCloze(table.words, {s: {"train": train} for s in cloze.SUBSETS}, {},
+                           tmp_path / "folder")
+    wiki.folder.mkdir()
+    where = {"data_dir": tmp_path / "mirror", "cache_dir": tmp_path / "c"}
+    word_ids, vectors, digest = cloze.cloze_embeddings(wiki, "glove.6B.50d", **where)
+    assert digest == {"glove.6B.50d.txt": file_digest(glove)}
+    glove.unlink()  # the cache alone now
+    again = cloze.cloze_embeddings(wiki, "glove.6B.50d", **where)
+    assert np.array_equal(again[0], word_ids) and np.array_equal(again[1], vectors)
+    assert again[2] == digest
 
 
 def test_tagging_with_the_spacy_pipeline():

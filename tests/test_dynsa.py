@@ -8,18 +8,14 @@ import pytest
 import torch
 
 from mrc_lib.bench import SyntheticVocab, synthetic_batch
+from mrc_lib.config import TrainConfig
+from mrc_lib.data.choice import PassageSplit, sentence_passages
 from mrc_lib.models import build_model
 from mrc_lib.models.bibosa import BiBloSABlock
 from mrc_lib.models.dynsa import DynSA, select_tokens
 from mrc_lib.models.dynsan import PassageLayout, has_loss
-from mrc_lib.models.dynsan_mc import (
-    ClozePassages,
-    DynSANMC,
-    candidate_log_probs,
-    evaluate_mc,
-    with_candidate_feature,
-)
-from mrc_lib.train import reader_loss
+from mrc_lib.models.dynsan_mc import DynSANMC, candidate_log_probs
+from mrc_lib.tasks import get_task
 from tests.test_models import make_batch, tiny_vocab
 
 B, L, D, H = 3, 11, 16, 4
@@ -200,8 +196,8 @@ def test_ablation_switches_remove_what_table3_removes(inputs, monkeypatch):
 
 def test_l1_penalty_is_the_aux_loss_the_trainer_adds():
     """Eq. 6: in training the reader returns β‖G‖₁ over every DynSA gate (question side and
-    end block included), averaged over the batch, and ``reader_loss`` adds it to the reader's
-    own loss; (f) β = 0 and (e) no gate drop it."""
+    end block included), averaged over the batch, and the task's ``loss`` adds it to the
+    reader's own loss; (f) β = 0 and (e) no gate drop it."""
     torch.manual_seed(0)
     model = build_model("dynsan", tiny_vocab(), **{**TINY, "beta": 0.3}).train()
     batch = make_batch(c_lens=[16, 12], q_lens=[5, 4])
@@ -213,7 +209,7 @@ def test_l1_penalty_is_the_aux_loss_the_trainer_adds():
     expected = 0.3 * sum(g.sum() for g in seen) / 2
     assert len(seen) == 2 + 1 + TINY["num_blocks"] + 1  # passages, question, aligned, N, end
     torch.testing.assert_close(out["aux_loss"], expected)
-    torch.testing.assert_close(reader_loss(out, batch), out["loss"] + out["aux_loss"])
+    torch.testing.assert_close(get_task("span").loss(out, batch), out["loss"] + out["aux_loss"])
     assert "aux_loss" not in model.eval()(batch)
     assert "aux_loss" not in build_model("dynsan", tiny_vocab(), **{**TINY, "beta": 0.0})(batch)
     no_gate = build_model("dynsan", tiny_vocab(), **{**TINY, "selection": "random",
@@ -237,7 +233,7 @@ def test_has_loss_sums_over_every_occurrence():
                                         torch.cat([occ_end, unaligned])), expected)
 
 
-def test_reader_loss_uses_the_batch_occurrences_and_the_end_follows_the_start():
+def test_readers_own_loss_uses_the_batch_occurrences_and_the_end_follows_the_start():
     torch.manual_seed(0)
     model = build_model("dynsan", tiny_vocab(), **TINY).train()
     batch = make_batch(c_lens=[16, 12], q_lens=[5, 4])
@@ -314,7 +310,7 @@ def test_reader_blocks_train(multi_batch, block):
     out = model.train()(batch)
     assert out["start_logits"].shape == out["end_logits"].shape == (2, 30)
     assert "gates" not in out
-    reader_loss(out, batch).backward()
+    get_task("span").loss(out, batch).backward()
     for part in ("blocks.1", "end_block"):
         assert all(p.grad is not None for n, p in model.named_parameters() if part in n)
 
@@ -398,7 +394,7 @@ def test_reader_overfits_a_tiny_batch():
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     losses = []
     for _ in range(40):  # the HAS loss sums the start and end terms, fixed words: 40 steps
-        loss = reader_loss(model(batch), batch)
+        loss = get_task("span").loss(model(batch), batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -415,9 +411,15 @@ def test_eqs_7_8_candidate_probability_sums_r_over_mentions():
     torch.testing.assert_close(candidate_log_probs(logits, cand_index, 4)[0], expected)
 
 
+def test_sentence_passages_start_after_each_sentence_end():
+    doc = "anna met bob . bob left ! carl stayed ? dora".split()
+    assert sentence_passages(doc).tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert sentence_passages(["one", "."]).tolist() == [0, 0]  # a final end opens nothing
+
+
 def test_multiple_choice_reader_on_cloze_passages():
-    """Sentences become passages, the candidate feature marks mentions, and the loss is
-    −log P(answer) (Eq. 8)."""
+    """Sentences become passages, the candidate feature marks mentions, and the
+    ``multiple_choice`` task's loss is −log P(answer) (Eq. 8) plus the Eq. 6 penalty."""
     from mrc_lib.data.cloze import ClozeExample
 
     vocab = SimpleNamespace(word_vectors=np.random.default_rng(0).normal(size=(50, 8)),
@@ -427,19 +429,35 @@ def test_multiple_choice_reader_on_cloze_passages():
                              "XXXXX met bob".split(), "anna", ["anna", "bob", "carl"]),
                 ClozeExample("dora ran . eve sat".split(), "XXXXX sat".split(), "eve",
                              ["dora", "eve"])]
-    split = ClozePassages(examples, vocab)
+    split = PassageSplit(examples, vocab, "valid")
     batch = split.collate(np.arange(2))
     assert batch["c_passage"][0].tolist() == [0, 0, 0, 0, 1, 1, 1, 2, 2]
     assert batch["cand_index"][0].tolist() == [0, -1, 1, -1, 1, -1, -1, 2, -1]
     assert batch["c_feats"][1, :, 0].tolist() == [1, 0, 0, 1, 0, 0, 0, 0, 0]
     assert batch["answer"].tolist() == [0, 1] and batch["cand_mask"][1].tolist() == [1, 1, 0]
+    assert split.candidates(1) == ["dora", "eve"] and split.answer(0) == "anna"
     torch.manual_seed(0)
-    model = DynSANMC(with_candidate_feature(vocab), **TINY).train()
+    model = DynSANMC(SimpleNamespace(**vars(vocab), n_feats=1), **TINY).train()
     out = model(batch)
+    assert "loss" not in out  # the task computes the objective
     log_p = out["candidate_log_probs"]
-    torch.testing.assert_close(out["loss"], -(log_p[0, 0] + log_p[1, 1]) / 2)
+    task = get_task("multiple_choice")
+    nll = -(log_p[0, 0] + log_p[1, 1]) / 2
+    torch.testing.assert_close(task.objective(out, batch), nll)
+    torch.testing.assert_close(task.loss(out, batch), nll + out["aux_loss"])
+    torch.testing.assert_close(task.loss({"candidate_log_probs": log_p}, batch), nll)
     assert torch.isinf(log_p[1, 2])  # a padding candidate
     assert log_p[0].exp().sum() < 1  # Eq. 8: r also sits on tokens that are no candidate
-    reader_loss(out, batch).backward()
+    task.loss(out, batch).backward()
     assert model.f_s.weight.grad.abs().sum() > 0
-    assert evaluate_mc(model, split, 2, torch.device("cpu"))["questions"] == 2
+    cfg = TrainConfig(model="dynsan_mc", dataset="wiki-cloze", task="multiple_choice",
+                      eval_batch_size=2, device="cpu")
+    evaluation = task.evaluate(model, split, cfg, torch.device("cpu"))
+    assert evaluation.scores["questions"] == 2 and not model.training
+    assert evaluation.scores["chance"] == pytest.approx(100 * (1 / 3 + 1 / 2) / 2)
+    predictions = evaluation.files["predictions.json"]
+    assert list(predictions) == ["valid-0", "valid-1"]
+    assert predictions["valid-0"] in examples[0].candidates
+    assert predictions["valid-1"] in examples[1].candidates
+    right = sum(predictions[f"valid-{i}"] == e.answer for i, e in enumerate(examples))
+    assert evaluation.scores["accuracy"] == 100 * right / 2

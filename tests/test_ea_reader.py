@@ -1,25 +1,34 @@
-"""EA Reader: each equation recomputed directly on tiny tensors, padding, gradients, training."""
+"""EA Reader: each equation recomputed directly on tiny tensors, padding, gradients, and
+training by the shared trainer on the ``cloze`` task (exact resume)."""
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from mrc_lib.data.cloze import ReaderSplit, StringTable, encode_examples
+from mrc_lib import train as engine
+from mrc_lib.config import TrainConfig
+from mrc_lib.data.choice import ChoiceData, ClozeSplit
+from mrc_lib.data.cloze import StringTable, encode_examples
 from mrc_lib.errors import UserError
-from mrc_lib.models.cloze_train import ClozeConfig, train_cloze
+from mrc_lib.models import build_model
 from mrc_lib.models.ea_reader import (
     MSCF,
     EAReader,
     MemoryWrite,
-    cloze_loss,
     occurrences,
     pointer_sum,
-    predict,
     restrict,
 )
+from mrc_lib.tasks import get_task
 from tests.test_cloze import make_examples, synthetic_article
+
+
+def reader(vectors, **hparams) -> EAReader:
+    """An EA Reader over the embedding rows ``vectors`` (the cloze task's ``vocab``)."""
+    return EAReader(SimpleNamespace(word_vectors=vectors), **hparams)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -148,17 +157,23 @@ def test_pointer_sum_variant_sums_attention_over_occurrences():
     assert p[0, 3] == 0 and p[1, 2] == 0 and p[1, 3] == 0
 
 
-def test_loss_skips_unreachable_answers_and_is_exact_in_bf16():
-    logits = torch.tensor([[0.0, 0.0, 5.0], [0.0, 1.0, 2.0]])
+def test_cloze_objective_skips_unreachable_answers_and_restrict_is_exact_in_bf16():
+    objective = get_task("cloze").objective
+    logits = torch.tensor([[0.0, 0.0, 5.0], [0.0, 1.0, 2.0]], requires_grad=True)
     candidates = torch.tensor([[True, True, False], [False, True, True]])
-    loss = cloze_loss(logits, candidates, torch.tensor([0, 0]))  # row 1: answer absent
+    log_p = restrict(logits, candidates).log_softmax(-1)
+    loss = objective({"candidate_log_probs": log_p},
+                     {"answer": torch.tensor([0, 0])})  # row 1: answer absent, skipped
     assert torch.allclose(loss, -torch.log(torch.tensor(0.5)))
-    assert cloze_loss(logits[1:], candidates[1:], torch.tensor([0])) == 0  # none reachable
+    none = objective({"candidate_log_probs": log_p[1:]}, {"answer": torch.tensor([0])})
+    assert none == 0 and none.requires_grad  # no reachable answer: a zero in the graph
+    none.backward()
+    assert (logits.grad == 0).all()
     # Huge float32 logits (beyond bfloat16's most negative finite value) stay masked exactly.
     big = torch.tensor([[-1e38, -2e38, 3e38]]).to(torch.bfloat16)
     scores = restrict(big, torch.tensor([[True, True, False]]))
     assert scores.dtype == torch.float32 and scores[0, 2] == float("-inf")
-    assert predict({"logits": big, "candidates": torch.tensor([[True, True, False]])}) == 0
+    assert scores.log_softmax(-1).argmax(-1).item() == 0  # the decoding: argmax
 
 
 def tiny_batch(vocab: int = 20, n: int = 9, seed: int = 0) -> dict:
@@ -176,7 +191,7 @@ def tiny_batch(vocab: int = 20, n: int = 9, seed: int = 0) -> dict:
 
 def test_eq11_answer_from_final_state_by_hand():
     torch.manual_seed(0)
-    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2).eval()
+    model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2).eval()
     batch = tiny_batch()
     with torch.no_grad():
         out = model(batch)
@@ -188,17 +203,19 @@ def test_eq11_answer_from_final_state_by_hand():
             logits = W_a @ s_T[b]  # Eq. 11, over the whole vocabulary
             rows = [int(w) for w, ok in zip(batch["cand_words"][b], present) if ok]
             p = softmax(logits[rows])  # restricted to candidates in the document
-            got = torch.softmax(restrict(out["logits"], out["candidates"])[b], dim=0)
+            got = out["candidate_log_probs"][b].exp()
             assert torch.allclose(got[torch.tensor(present)], p, atol=1e-5)
             assert (got[~torch.tensor(present)] == 0).all()
-    assert out["candidates"][0].tolist()[:3] == [True] * 3
+    log_p = out["candidate_log_probs"]
+    assert log_p.dtype == torch.float32 and torch.isfinite(log_p[0, :3]).all()
+    assert torch.isinf(log_p[1:, 3]).all()  # padding candidates
 
 
 @pytest.mark.parametrize("share", [False, True])
 def test_multi_hop_composition(share):
     torch.manual_seed(0)
-    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=3, share_mscf=share).eval()
-    one_hop = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=1)
+    model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=3, share_mscf=share).eval()
+    one_hop = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=1)
     mscf_params = sum(p.numel() for p in model.mscf[0].parameters())
     assert sum(p.numel() for p in model.parameters()) == \
         sum(p.numel() for p in one_hop.parameters()) + (0 if share else 2 * mscf_params)
@@ -215,34 +232,39 @@ def test_multi_hop_composition(share):
             M = model.write(M, e, mask)  # Eqs. 9-10
         logits = torch.einsum("bck,kd,bd->bc", model.embed(batch["cand_words"]),
                               model.P.weight, s)  # Eq. 11
-    assert torch.allclose(out["logits"], logits, atol=1e-5)
+        present = occurrences(batch["doc_forms"], mask, batch["cand_forms"]).any(-1)
+    assert torch.allclose(out["candidate_log_probs"],
+                          restrict(logits, present).log_softmax(-1), atol=1e-5)
     assert out["attention"].shape == (3, 3, 9, 2)
 
 
 def test_zeroing_mscf_output_changes_the_prediction():
     torch.manual_seed(0)
-    model = EAReader(torch.randn(30, 6), hidden=6, subspaces=2, hops=1, write=False).eval()
+    model = reader(torch.randn(30, 6), hidden=6, subspaces=2, hops=1, write=False).eval()
     batches = [tiny_batch(vocab=30, seed=s) for s in range(8)]
+
+    def predict(b):  # the cloze task's decoding: the most probable candidate
+        return model(b)["candidate_log_probs"].argmax(-1)
+
     with torch.no_grad():
-        before = torch.cat([predict(model(b)) for b in batches])
+        before = torch.cat([predict(b) for b in batches])
         handle = model.mscf[0].register_forward_hook(
             lambda module, inputs, output: (torch.zeros_like(output[0]), output[1]))
-        after = torch.cat([predict(model(b)) for b in batches])
+        after = torch.cat([predict(b) for b in batches])
         handle.remove()
     assert (before != after).any()
 
 
-def test_logits_do_not_depend_on_padding():
+def test_candidate_probabilities_do_not_depend_on_padding():
     torch.manual_seed(0)
-    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2).eval()
+    model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2).eval()
     batch = tiny_batch()
     wider = {k: v.clone() for k, v in batch.items()}
     for key in ("doc_words", "doc_forms", "doc_mask"):
         wider[key] = torch.cat([batch[key], torch.zeros_like(batch[key][:, :4])], dim=1)
     with torch.no_grad():
         a, b = model(batch), model(wider)
-    assert torch.allclose(restrict(a["logits"], a["candidates"]),
-                          restrict(b["logits"], b["candidates"]), atol=1e-5)
+    assert torch.allclose(a["candidate_log_probs"], b["candidate_log_probs"], atol=1e-5)
 
 
 @pytest.mark.parametrize("hparams", [
@@ -258,10 +280,10 @@ def test_logits_do_not_depend_on_padding():
 ])
 def test_gradients_reach_every_parameter(hparams):
     torch.manual_seed(0)
-    model = EAReader(torch.randn(20, 6), **{"hidden": 4, "subspaces": 2, **hparams})
+    model = reader(torch.randn(20, 6), **{"hidden": 4, "subspaces": 2, **hparams})
     batch = tiny_batch()
     out = model(batch)
-    cloze_loss(out["logits"], out["candidates"], batch["answer"]).backward()
+    get_task("cloze").loss(out, batch).backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
         assert p.grad.abs().sum() > 0, name
@@ -270,7 +292,7 @@ def test_gradients_reach_every_parameter(hparams):
 
 def test_stanford_ar_answers_from_its_context_vector():
     torch.manual_seed(0)
-    model = EAReader(torch.randn(20, 6), hidden=4, subspaces=1, scoring="bilinear",
+    model = reader(torch.randn(20, 6), hidden=4, subspaces=1, scoring="bilinear",
                      fusion=False, hops=1, write=False, readout="context").eval()
     assert model.W_s is None
     batch = tiny_batch()
@@ -282,7 +304,9 @@ def test_stanford_ar_answers_from_its_context_vector():
         o, _ = model.mscf[0](D, q, batch["doc_mask"])
         logits = torch.einsum("bck,kd,bd->bc", model.embed(batch["cand_words"]),
                               model.P.weight, o)
-    assert torch.allclose(out["logits"], logits, atol=1e-5)
+        present = occurrences(batch["doc_forms"], batch["doc_mask"], batch["cand_forms"]).any(-1)
+    assert torch.allclose(out["candidate_log_probs"],
+                          restrict(logits, present).log_softmax(-1), atol=1e-5)
 
 
 def encoded_sets():
@@ -293,10 +317,22 @@ def encoded_sets():
     return table, sets
 
 
+def cloze_data(table, sets) -> ChoiceData:
+    """The ``cloze`` task's data over tiny in-memory sets (the trainer's ``dev`` is ``valid``),
+    with random embedding rows."""
+    word_ids = np.arange(len(table.words))
+    vectors = np.random.default_rng(0).normal(size=(len(table.words), 6)).astype(np.float32)
+    splits = {name: ClozeSplit(sets[source], word_ids, source)
+              for name, source in (("train", "train"), ("dev", "valid"), ("test", "test"))}
+    return ChoiceData("tiny cloze", SimpleNamespace(word_vectors=vectors), splits,
+                      {"tiny.json": "0" * 64})
+
+
 def test_analysis_payload_is_small_and_serialisable():
     table, sets = encoded_sets()
-    model = EAReader(torch.randn(len(table.words), 6), hidden=4, subspaces=2, hops=2).eval()
-    payload = model.analysis(ReaderSplit(sets["valid"], np.arange(len(table.words))))
+    data = cloze_data(table, sets)
+    model = reader(torch.randn(len(table.words), 6), hidden=4, subspaces=2, hops=2).eval()
+    payload = model.analysis(data, None)
     text = json.dumps(payload)
     assert len(text) < 200_000 and len(payload["examples"]) == 3
     first = payload["examples"][0]
@@ -304,21 +340,44 @@ def test_analysis_payload_is_small_and_serialisable():
     assert len(first["attention"][0][0]) == 2
     assert abs(sum(first["probabilities"]) - 1) < 1e-3
     assert first["answer"] in first["candidates"]
+    assert first["query"] == data.splits["dev"].question(0)
 
 
-def test_training_resumes_exactly(tmp_path):
+def test_registered_and_built_over_the_task_vocab():
     table, sets = encoded_sets()
-    word_ids = np.arange(len(table.words))
-    vectors = np.random.default_rng(0).normal(size=(len(table.words), 6)).astype(np.float32)
-    cfg = ClozeConfig(hparams={"hidden": 4, "subspaces": 2, "hops": 2}, epochs=2,
-                      batch_size=2)
-    straight = train_cloze(sets, word_ids, vectors, cfg, tmp_path / "a")
-    train_cloze(sets, word_ids, vectors, ClozeConfig(**{**cfg.__dict__, "epochs": 1}),
-                tmp_path / "b")
-    resumed = train_cloze(sets, word_ids, vectors, cfg, tmp_path / "b")
-    assert straight["history"] == resumed["history"] and straight["test"] == resumed["test"]
+    data = cloze_data(table, sets)
+    model = build_model("ea_reader", data.vocab, hidden=4, subspaces=2)
+    assert isinstance(model, EAReader)
+    assert torch.equal(model.embed.weight, torch.as_tensor(data.vocab.word_vectors))
+
+
+def cloze_config(**changes) -> TrainConfig:
+    values = dict(model="ea_reader", dataset="wiki-cloze", hparams={"hidden": 4, "subspaces": 2,
+                  "hops": 2}, epochs=2, batch_size=2, eval_batch_size=4, optimizer="adam",
+                  lr=0.01, ema_decay=0.9, device="cpu", log_every=2, checkpoint_every=None)
+    return TrainConfig(**{**values, **changes})
+
+
+def test_trainer_on_the_cloze_task_resumes_exactly(tmp_path):
+    table, sets = encoded_sets()
+    data = cloze_data(table, sets)
+    cfg = cloze_config()
+    assert cfg.task == "cloze"  # Wiki-cloze's own task
+    straight = engine.train(cfg, tmp_path / "a", data=data)
+    engine.train(cloze_config(epochs=1), tmp_path / "b", data=data)
+    resumed = engine.train(cfg, tmp_path / "b", resume=True, data=data)
+    assert straight["task"] == "cloze" and straight["version"] == "tiny cloze"
+    for key in ("dev", "test", "best_epoch", "best_dev", "best_test", "steps"):
+        assert resumed[key] == straight[key], key
+    for a, b in zip(resumed["history"], straight["history"], strict=True):
+        assert (a["dev"], a["test"], a["train_loss"]) == (b["dev"], b["test"], b["train_loss"])
     assert straight["analysis"] == resumed["analysis"]
-    assert (tmp_path / "a" / "model.pt").is_file() and 0 <= straight["test"] <= 100
+    for split, scores in (("valid", straight["dev"]), ("test", straight["test"])):
+        assert set(scores) == {"accuracy", "questions", "chance"}
+        assert scores["questions"] == len(sets[split]) and 0 <= scores["accuracy"] <= 100
+    files = {p.name for p in (tmp_path / "a").iterdir()}
+    assert {"model.pt", "predictions.json", "metrics.json"} <= files and "vocab" not in files
+    predictions = json.loads((tmp_path / "a" / "predictions.json").read_text())
+    assert set(predictions) == set(data.splits["dev"].qids)
     with pytest.raises(UserError, match="lr"):
-        train_cloze(sets, word_ids, vectors, ClozeConfig(**{**cfg.__dict__, "lr": 0.1}),
-                    tmp_path / "a")
+        engine.train(cloze_config(lr=0.1), tmp_path / "a", resume=True, data=data)

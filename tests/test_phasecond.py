@@ -24,7 +24,7 @@ from mrc_lib.models.phasecond import (
     self_attention,
 )
 from mrc_lib.stats import significance_mark, t_two_sided_p, welch_t_test
-from mrc_lib.train import reader_loss
+from mrc_lib.tasks import get_task
 
 SMALL = {"hidden": 4, "char_dim": 3, "char_channels": 5, "pos_dim": 3, "ner_dim": 2,
          "qtype_dim": 2, "dropout": 0.0}
@@ -326,7 +326,7 @@ def test_pointer_reads_the_fused_passage_and_the_loss_is_the_last_hop(name):
     nll = [-(out["start_logits"][b].log_softmax(-1)[batch["y1"][b]]
              + out["end_logits"][b].log_softmax(-1)[batch["y2"][b]]) for b in range(2)]
     assert torch.allclose(out["loss"], sum(nll) / 2, atol=1e-5)
-    assert torch.allclose(reader_loss(out, batch), out["loss"])
+    assert torch.allclose(get_task("span").loss(out, batch), out["loss"])
 
 
 # --- padding, gradients ------------------------------------------------------------------------
@@ -350,7 +350,7 @@ def test_padding_does_not_change_real_positions(name):
 def test_every_parameter_gets_a_gradient(name):
     model = build(name, dropout=0.2).train()
     batch = make_batch()
-    reader_loss(model(batch), batch).backward()
+    get_task("span").loss(model(batch), batch).backward()
     for pname, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
         assert p.grad.abs().sum() > 0, pname

@@ -311,6 +311,11 @@ def test_run_writes_its_outputs(tmp_path, data):
     assert metrics["steps"] == 2 * 4 and len(metrics["seconds_per_epoch"]) == 2
     assert set(metrics["dev"]) == {"exact_match", "f1"}
     assert metrics["best_epoch"] in (1, 2)
+    assert metrics["task"] == "span"  # the dataset's own task: span extraction
+    assert "test" not in metrics and "best_test" not in metrics  # no test split
+    best = load_checkpoint(tmp_path / "checkpoint.pt")["progress"]["best"]
+    assert best == {"epoch": metrics["best_epoch"], "score": metrics["best_dev"]["f1"],
+                    "dev": metrics["best_dev"], "test": None}
     assert metrics["params"]["trainable"] == sum(
         p.numel() for p in ToyReader(data.vocab).parameters())
     assert metrics["data_digests"] == data.digests and metrics["peak_memory_bytes"] > 0

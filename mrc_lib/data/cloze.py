@@ -476,27 +476,6 @@ class ClozeSet:
             return cls(words, **{k: arrays[k] for k in cls.ARRAYS})
 
 
-@dataclass
-class ReaderSplit:
-    """A :class:`ClozeSet` with its embedding rows: the split interface a reader's
-    ``analysis(split)`` reads (``collate``, ``tokens``, ``question``)."""
-
-    data: ClozeSet
-    word_ids: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def collate(self, index: Sequence[int]) -> dict[str, torch.Tensor]:
-        return self.data.collate(index, self.word_ids)
-
-    def tokens(self, i: int, part: str = "d") -> list[str]:
-        return self.data.text(self.data.doc(i) if part == "d" else self.data.qry(i))
-
-    def question(self, i: int) -> str:
-        return " ".join(self.tokens(i, "q"))
-
-
 def as_long(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a.astype(np.int64))
 
@@ -550,6 +529,7 @@ class WikiCloze:
     words: list[str]
     sets: dict[str, dict[str, ClozeSet]]
     meta: dict = field(default_factory=dict)  # parameters, articles, statistics, digests
+    folder: Path | None = None  # the cache folder it was read from
 
     @property
     def stats(self) -> dict:
@@ -660,7 +640,7 @@ def read_wiki_cloze(folder: Path) -> WikiCloze:
     words = json.loads((folder / "words.json").read_text(encoding="utf-8"))
     sets = {s: {split: ClozeSet.load(folder / f"{s}_{split}.npz", words) for split in SPLITS}
             for s in SUBSETS}
-    return WikiCloze(words, sets, meta)
+    return WikiCloze(words, sets, meta, folder)
 
 
 def load_wiki_cloze(*, limits: dict | None = None, stride: int | None = None,
@@ -670,24 +650,43 @@ def load_wiki_cloze(*, limits: dict | None = None, stride: int | None = None,
     """Wiki-cloze from the cache, built (and cached) first if needed.
 
     ``limits``: e.g. ``{"train": 10, "dev": 3}`` to use only the first articles of each SQuAD
-    file. The cache key covers the rules, the parameters and the SQuAD files' digests.
+    file. The cache key covers the rules, the parameters and the SQuAD files' digests. Without
+    the SQuAD files (a GPU machine given the cache alone), the newest cached set built with the
+    same rules and parameters is used.
     """
     from mrc_lib.data.sources import cache_root, resolve
 
     limits = dict(limits or {})
-    paths = [resolve("squad-v1.1", split, data_dir=data_dir, cache_dir=cache_dir)
-             for split in ("train", "dev")]
+    params = [RULES_VERSION, pipeline, stride, doc_sentences, min_entities, seed,
+              sorted(limits.items())]
+    where = {"data_dir": data_dir, "cache_dir": cache_dir}
+    try:
+        paths = [resolve("squad-v1.1", split, **where, download=False)
+                 for split in ("train", "dev")]
+    except UserError:
+        built = _find_built(json.loads(json.dumps(params)), cache_dir)
+        if built is not None:
+            return read_wiki_cloze(built)
+        paths = [resolve("squad-v1.1", split, **where) for split in ("train", "dev")]
     digests = {p.name: file_digest(p) for p in paths}
-    key = json.dumps([RULES_VERSION, pipeline, stride, doc_sentences, min_entities, seed,
-                      sorted(limits.items()), digests])
+    key = json.dumps([*params, digests])
     folder = cache_root(cache_dir) / "wiki_cloze" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if not (folder / "meta.json").is_file():
         data = build_wiki_cloze(*paths, pipeline=pipeline, limits=limits, stride=stride,
                                 doc_sentences=doc_sentences, min_entities=min_entities,
                                 seed=seed)
-        data.meta["digests"] = digests
+        data.meta.update(digests=digests, key=params)
         save_wiki_cloze(data, folder)
     return read_wiki_cloze(folder)
+
+
+def _find_built(params: list, cache_dir) -> Path | None:
+    """The newest complete cached Wiki-cloze built with these rules and parameters."""
+    from mrc_lib.data.sources import cache_root
+
+    found = [m.parent for m in (cache_root(cache_dir) / "wiki_cloze").glob("*/meta.json")
+             if json.loads(m.read_text(encoding="utf-8")).get("key") == params]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
 
 
 # --- the original Children's Book Test files ----------------------------------------------------
@@ -771,3 +770,24 @@ def embedding_rows(words: list[str], train: Sequence[ClozeSet], glove_path, *,
     new[PAD] = 0.0
     rows = np.array(list(pretrained.values()), np.float32).reshape(-1, glove.shape[1])
     return word_ids, np.concatenate([new, rows])
+
+
+def cloze_embeddings(data: WikiCloze, glove: str, *, seed: int = 0, data_dir=None,
+                     cache_dir=None) -> tuple[np.ndarray, np.ndarray, dict[str, str]]:
+    """:func:`embedding_rows` over the training sets of every subset of ``data``, with the
+    digest of the GloVe file they came from (``{file name: sha256}``). Cached (written
+    atomically) in ``data``'s cache folder with that digest, so that a machine given the cache
+    alone, without the GloVe file, reads them."""
+    from mrc_lib.data.sources import resolve
+
+    path = data.folder / f"embeddings-{glove}-{seed}.npz"
+    if not path.is_file():
+        glove_path = resolve(glove, data_dir=data_dir, cache_dir=cache_dir)
+        word_ids, vectors = embedding_rows(data.words, [data.sets[s]["train"] for s in SUBSETS],
+                                           glove_path, seed=seed)
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            np.savez(f, word_ids=word_ids, vectors=vectors, glove=np.array(glove_path.name),
+                     digest=np.array(file_digest(glove_path)))
+    with np.load(path) as arrays:
+        return (arrays["word_ids"], arrays["vectors"],
+                {str(arrays["glove"]): str(arrays["digest"])})

@@ -21,9 +21,9 @@ Unanswerable questions: by default (``no_answer="last_token"``) the ABA paper's 
 (Chen et al. 2021, Sec. 2.1), the passage's last token as the answer
 (:func:`mrc_lib.models.aba.last_token_outputs`), for the readers with and without ABA alike.
 ``no_answer="head"`` uses layer 6, trained with the binary cross-entropy of ``σ(z)`` against
-"no answer" added to the span loss of the answerable questions
-(:func:`mrc_lib.train.reader_loss`; Clark & Gardner train ``z`` jointly with the spans in one
-softmax instead).
+"no answer" added to the span loss of the answerable questions (task ``span_na`` of
+:mod:`mrc_lib.tasks`; Clark & Gardner train ``z`` jointly with the spans in one softmax
+instead).
 
 With ``aba=True``, Adaptive Bi-directional Attention (:mod:`mrc_lib.models.aba`) over the
 history ``[E; C¹; A]``: with ``aba_feed="output"`` (the paper's) ``A`` is the output of layer 4

@@ -40,12 +40,11 @@ in the document; the answer is the candidate that fills the blank.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
+from mrc_lib.models import register
 from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax
 
 TOKENWISE = ("bilinear", "additive", "dot")
@@ -175,13 +174,16 @@ def restrict(logits: Tensor, candidates: Tensor) -> Tensor:
     return logits.float().masked_fill(~candidates, float("-inf"))
 
 
+@register("ea_reader")
 class EAReader(nn.Module):
     """EA Reader and its ablations: ``subspaces`` (L), ``hops`` (T), ``write``, ``scoring``,
     ``projections``, ``share_mscf``, ``answer``, ``readout``; ``fusion=False`` with
     ``subspaces=1, scoring="bilinear", hops=1, readout="context"`` is the Stanford AR.
-    Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1."""
+    Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1. Built over the cloze task's
+    ``vocab`` (its ``word_vectors``, :func:`mrc_lib.data.choice.load_cloze_data`); trained and
+    scored by the ``cloze`` task of :mod:`mrc_lib.tasks`."""
 
-    def __init__(self, vectors: Tensor | np.ndarray, *, hidden: int = 240, subspaces: int = 6,
+    def __init__(self, vocab, *, hidden: int = 240, subspaces: int = 6,
                  hops: int = 2, write: bool = True, scoring: str = "bitwise",
                  fusion: bool = True, projections: bool = True, share_mscf: bool = False,
                  answer: str = "final_state", readout: str = "state",
@@ -189,7 +191,8 @@ class EAReader(nn.Module):
         super().__init__()
         if answer not in ANSWERS or readout not in READOUTS:
             raise UserError(f"answer must be one of {ANSWERS}, readout one of {READOUTS}")
-        vectors = torch.as_tensor(vectors, dtype=torch.float32).clone()  # training updates it
+        # Every row is trained (the paper updates its embeddings).
+        vectors = torch.as_tensor(vocab.word_vectors, dtype=torch.float32).clone()
         self.hops, self.answer, self.readout = hops, answer, readout
         self.embed = nn.Embedding.from_pretrained(vectors, freeze=False, padding_idx=0)
         self.doc_encoder = RNN(vectors.shape[1], hidden, cell="gru", dropout=dropout)
@@ -224,9 +227,10 @@ class EAReader(nn.Module):
         return M, s, e, attention
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Batch of :meth:`mrc_lib.data.cloze.ClozeSet.collate` to ``logits`` ``[B, C]`` over the
-        candidates, the mask ``candidates`` ``[B, C]`` of those that occur in the document, and
-        ``attention`` ``[B, T, m, L]`` (Ã of each hop, averaged over features)."""
+        """Batch of :meth:`mrc_lib.data.cloze.ClozeSet.collate` to ``candidate_log_probs``
+        ``[B, C]`` (Eq. 11: log-probabilities over the candidates that occur in the document,
+        ``-inf`` for the others, float32) and ``attention`` ``[B, T, m, L]`` (Ã of each hop,
+        averaged over features)."""
         occurs = occurrences(batch["doc_forms"], batch["doc_mask"], batch["cand_forms"])
         M, s, e, attention = self.read(batch)
         x = s if self.readout == "state" else e  # s_T (Eq. 11), or o for the Stanford AR
@@ -236,44 +240,28 @@ class EAReader(nn.Module):
         else:
             z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
             logits = pointer_sum(z, occurs)
-        return {"logits": logits, "candidates": occurs.any(dim=-1),
+        return {"candidate_log_probs": restrict(logits, occurs.any(dim=-1)).log_softmax(-1),
                 "attention": torch.stack([A.mean(dim=-1) for A in attention], dim=1)}
 
     @torch.no_grad()
-    def analysis(self, split, examples: int = 3, tokens: int = 80) -> dict:
-        """Figure payload for the first ``examples`` questions of ``split`` (a
-        :class:`mrc_lib.data.cloze.ReaderSplit`): their first ``tokens`` document tokens, the
-        query, candidates, answer, each hop's attention per subspace (averaged over features,
-        ``[T][n][L]``) and the candidate probabilities."""
+    def analysis(self, data, cfg, examples: int = 3, tokens: int = 80) -> dict:
+        """Figure payload for the first ``examples`` questions of the dev (valid) split: their
+        first ``tokens`` document tokens, the query, candidates, answer, each hop's attention
+        per subspace (averaged over features, ``[T][n][L]``) and the candidate
+        probabilities."""
+        split = data.splits["dev"]
         index = list(range(min(examples, len(split))))
         batch = {k: v.to(self.embed.weight.device) for k, v in split.collate(index).items()}
         out = self(batch)
-        p = torch.softmax(restrict(out["logits"], out["candidates"]), dim=-1)
+        p = out["candidate_log_probs"].exp()
         payload = []
         for row, i in enumerate(index):
             n = min(tokens, int(batch["doc_mask"][row].sum()))
-            cands = split.data.candidates[i]
+            cands = split.candidates(i)
             payload.append({
                 "tokens": split.tokens(i)[:n], "query": split.question(i),
-                "answer": split.data.words[split.data.answer[i]],
-                "candidates": split.data.text(cands[cands != 0]),
-                "probabilities": [round(float(v), 4) for v in p[row, :int((cands != 0).sum())]],
+                "answer": split.answer(i), "candidates": cands,
+                "probabilities": [round(float(v), 4) for v in p[row, :len(cands)]],
                 "attention": [[[round(float(v), 5) for v in tok] for tok in hop[:n]]
                               for hop in out["attention"][row].float().cpu()]})
         return {"examples": payload}
-
-
-def cloze_loss(logits: Tensor, candidates: Tensor, answer: Tensor) -> Tensor:
-    """Negative log-likelihood of the answer among the candidates present in the document
-    (:func:`restrict`, float32), over the examples whose answer is present (always true for
-    Wiki-cloze; a CBT answer may be missing from the text)."""
-    scores = restrict(logits, candidates)
-    reachable = candidates.gather(1, answer.unsqueeze(1)).squeeze(1)
-    if not reachable.any():  # no answer to learn from: a zero that keeps the graph
-        return logits.float().sum() * 0.0
-    return F.cross_entropy(scores[reachable], answer[reachable])
-
-
-def predict(out: dict[str, Tensor]) -> Tensor:
-    """The highest-scoring candidate present in the document."""
-    return restrict(out["logits"], out["candidates"]).argmax(dim=-1)
