@@ -1,6 +1,8 @@
 """The tasks of :mod:`mrc_lib.tasks`: defaults per dataset, objectives, losses, the choice
 evaluation and the score each task ranks by, on tiny tensors and tiny in-memory cloze sets."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -245,3 +247,21 @@ def test_score_per_task():
     for name in ("cloze", "multiple_choice"):
         t = get_task(name)
         assert t.score(choice) == t.score(choice, "f1") == t.score(choice, "em") == 37.5
+
+
+def test_a_checkpoint_older_than_a_config_key_resumes_at_its_default(tmp_path):
+    cfg = resolve_config("bidaf")
+    saved = {k: v for k, v in cfg.to_dict().items() if k not in ("task", "data_options")}
+    trainer = type("T", (), {"cfg": cfg, "out": tmp_path})()
+    engine.Trainer._check_resumable(trainer, saved)  # the keys it predates are at their default
+    with pytest.raises(UserError, match="task: 'span' -> 'span_na'"):
+        engine.Trainer._check_resumable(
+            type("T", (), {"cfg": resolve_config("bidaf", overrides=["task=span_na"]),
+                           "out": tmp_path})(), saved)
+
+
+def test_predict_refuses_a_choice_tasks_run(tmp_path):
+    cfg = resolve_config("ea_reader", profile="smoke", overrides=["data_options.subset=NE"])
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    with pytest.raises(UserError, match="a run of task 'cloze'; predict answers SQuAD-style"):
+        engine.load_run(tmp_path, torch.device("cpu"))
