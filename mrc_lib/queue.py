@@ -5,6 +5,7 @@
     python -m mrc_lib queue pack --out DIR --to DEST          # DIR -> pieces of <= 15 MiB
     python -m mrc_lib queue unpack --from DEST --out DIR      # the pieces -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
+    python -m mrc_lib queue verify                            # chapters build these configs?
 
 The file lists, per chapter, every run the full book needs (its header documents the keys);
 :func:`load_queue` checks it and reports a bad entry in one line naming the file and entry.
@@ -360,11 +361,38 @@ def import_records(out: Path) -> list[Path]:
     return copied
 
 
+# --- does each chapter build its entry's config? --------------------------------------------
+
+
+def verify(jobs: list[Job], runs: Path) -> tuple[list[str], list[str], list[str]]:
+    """Check, before any GPU minute is spent, that each chapter builds the config its packed
+    entries list: a chapter that built another would never find the entry's record. The
+    chapter's smoke reproduction (``reproduce NAME --profile smoke``) leaves each run's record
+    at ``runs/<chapter>/smoke/<run>/record.json``; the entry's config, resolved at the smoke
+    profile with the same overrides, must have the same hash. Returns the matching jobs, the
+    mismatches (with the keys that differ) and the jobs no smoke run recorded (unchecked)."""
+    matched, mismatched, unchecked = [], [], []
+    for job in (j for j in jobs if j.entry.runner == "packed"):
+        path = runs / job.entry.chapter / "smoke" / job.name / "record.json"
+        if not path.is_file():
+            unchecked.append(job.key)
+            continue
+        built, listed = records.read_record(path)["config"], job.config("smoke").to_dict()
+        if records.config_hash(built) == records.config_hash(listed):
+            matched.append(job.key)
+            continue
+        keys = sorted(k for k in listed if k not in records.UNHASHED
+                      and built.get(k) != listed[k])
+        mismatched.append(f"{job.key}: " + "; ".join(
+            f"{k}: chapter {built.get(k)!r}, queue {listed[k]!r}" for k in keys))
+    return matched, mismatched, unchecked
+
+
 # --- the command line --------------------------------------------------------------------------
 
 
 def queue_cli(args) -> None:
-    """``python -m mrc_lib queue [run|work|pack|unpack|import]``."""
+    """``python -m mrc_lib queue [run|work|pack|unpack|import|verify]``."""
     action = args.action or "status"
     out = Path(args.out) if args.out else None
     if action in ("run", "work", "pack", "import") and out is None:
@@ -382,6 +410,15 @@ def queue_cli(args) -> None:
         print("\n".join(map(str, import_records(out))))
         return
     jobs = load_queue(args.file)
+    if action == "verify":
+        matched, mismatched, unchecked = verify(jobs, out or Path("runs"))
+        print(f"{len(matched)} runs build their queue entry's config, {len(mismatched)} do "
+              f"not, {len(unchecked)} have no smoke record to check")
+        print("\n".join(mismatched))
+        if mismatched:
+            raise UserError(f"{len(mismatched)} chapter run(s) build another config than "
+                            "their queue entry")
+        return
     if action == "status":
         print(status_table(jobs, out, args.profile))
     elif action == "work":
@@ -402,9 +439,10 @@ def queue_cli(args) -> None:
 def add_parser(sub) -> None:
     s = sub.add_parser("queue", help="the full-profile runs: status, packed runner, transfer")
     s.add_argument("action", nargs="?", choices=["status", "run", "work", "pack", "unpack",
-                                                 "import"])
+                                                 "import", "verify"])
     s.add_argument("--file", default=str(QUEUE_FILE), help="the queue file")
-    s.add_argument("--out", default=None, help="the runner's folder (runs, records)")
+    s.add_argument("--out", default=None, help="the runner's folder (runs, records); verify: "
+                   "the smoke run folder (default runs)")
     s.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of `run`")
     s.add_argument("--parallel", type=int, default=1, help="concurrent worker processes")
     s.add_argument("--reserve", type=float, default=60.0,

@@ -150,3 +150,31 @@ def test_cli_pack_unpack_import(tmp_path, monkeypatch, capsys):
     assert main(["queue", "import", "--out", str(out)]) == 2
     assert "r.json: corrupt run record" in capsys.readouterr().err
     assert main(["queue", "run"]) == 2  # no --out
+
+
+def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tiny_queue, capsys):
+    from mrc_lib import records
+
+    jobs = queue.load_queue(tiny_queue)
+    runs = tmp_path / "runs"
+
+    def smoke_record(job, cfg):
+        path = runs / job.entry.chapter / "smoke" / job.name / "record.json"
+        path.parent.mkdir(parents=True)
+        record = {"schema": 1, "chapter": job.entry.chapter, "run": job.name,
+                  "config": cfg.to_dict(), "config_hash": records.config_hash(cfg.to_dict()),
+                  "data_digests": {}, "dev": {}, "history": [], "device": "cpu"}
+        path.write_text(json.dumps(record))
+
+    seed0, seed1 = (j for j in jobs if j.entry.runner == "packed")
+    smoke_record(seed0, seed0.config("smoke"))  # the chapter built the entry's config
+    other = seed1.config("smoke")
+    other.lr *= 2  # the chapter built another config
+    smoke_record(seed1, other)
+    matched, mismatched, unchecked = queue.verify(jobs, runs)
+    assert matched == [seed0.key] and unchecked == []
+    assert mismatched == [f"{seed1.key}: lr: chapter {other.lr!r}, queue {other.lr / 2!r}"]
+    assert main(["queue", "verify", "--file", tiny_queue, "--out", str(runs)]) == 2
+    printed = capsys.readouterr()
+    assert "1 runs build their queue entry's config, 1 do not" in printed.out
+    assert "1 chapter run(s) build another config" in printed.err
