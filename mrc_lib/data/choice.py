@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from mrc_lib.data.cloze import PAD, ClozeExample, ClozeSet, cloze_embeddings, load_wiki_cloze
+from mrc_lib.data.dataset import bucketed_batches
 from mrc_lib.data.vocab import MAX_WORD_CHARS, Vocab
 
 SENTENCE_ENDS = frozenset({".", "!", "?"})
@@ -43,8 +44,9 @@ class ChoiceData:
 
 
 class ChoiceSplit:
-    """Batching shared by the choice splits; a subclass defines ``__len__``, ``collate``,
-    ``candidates(i)`` and ``answer(i)`` (strings)."""
+    """Batching shared by the choice splits, bucketed by document length like SQuAD's
+    (:func:`~mrc_lib.data.dataset.bucketed_batches`); a subclass defines ``__len__``,
+    ``lengths()``, ``collate``, ``candidates(i)`` and ``answer(i)`` (strings)."""
 
     name: str
 
@@ -53,12 +55,11 @@ class ChoiceSplit:
 
     def batches(self, batch_size: int, *, shuffle: bool, seed: int = 0, epoch: int = 0,
                 skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches in a random order fixed by ``(seed, epoch)``, or in order; the first
-        ``skip`` batches are left out (a resumed epoch)."""
-        order = (np.random.default_rng([seed, epoch]).permutation(len(self)) if shuffle
-                 else np.arange(len(self)))
-        for lo in range(skip * batch_size, len(order), batch_size):
-            pos = order[lo:lo + batch_size]
+        """Batches in an order fixed by ``(seed, epoch)``; the first ``skip`` batches are left
+        out (a resumed epoch)."""
+        order = bucketed_batches(self.lengths(), batch_size, shuffle=shuffle, seed=seed,
+                                 epoch=epoch)
+        for pos in order[skip:]:
             yield {**self.collate(pos), "idx": torch.as_tensor(pos, dtype=torch.int64)}
 
     @property
@@ -81,6 +82,9 @@ class ClozeSplit(ChoiceSplit):
 
     def __len__(self) -> int:
         return self.n
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.data.doc_offsets[:self.n + 1])
 
     def collate(self, pos: Sequence[int]) -> dict[str, torch.Tensor]:
         return self.data.collate(pos, self.word_ids)
@@ -133,6 +137,9 @@ class PassageSplit(ChoiceSplit):
 
     def __len__(self) -> int:
         return len(self.examples)
+
+    def lengths(self) -> np.ndarray:
+        return np.fromiter((len(r["cand"]) for r in self.rows), np.int64, len(self.rows))
 
     def tokens(self, i: int, side: str = "c") -> list[str]:
         return list(self.examples[i].document if side == "c" else self.examples[i].query)

@@ -164,22 +164,9 @@ class Split:
 
     def batch_order(self, batch_size: int, *, shuffle: bool, seed: int = 0,
                     epoch: int = 0) -> list[np.ndarray]:
-        """Positions of each batch. Shuffled: random chunks of ``BUCKET_CHUNK`` batches, each
-        sorted by context length, cut into batches, batches shuffled; deterministic for
-        (seed, epoch). Not shuffled: sorted by length (for evaluation)."""
-        lens = self.context_lengths()
-        if not shuffle:
-            order = np.argsort(lens, kind="stable")
-            return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-        rng = np.random.default_rng([seed, epoch])
-        perm = rng.permutation(len(self))
-        chunk = batch_size * BUCKET_CHUNK
-        batches = []
-        for i in range(0, len(perm), chunk):
-            part = perm[i:i + chunk]
-            part = part[np.argsort(lens[part], kind="stable")]
-            batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
-        return [batches[k] for k in rng.permutation(len(batches))]
+        """Positions of each batch, bucketed by context length (:func:`bucketed_batches`)."""
+        return bucketed_batches(self.context_lengths(), batch_size, shuffle=shuffle, seed=seed,
+                                epoch=epoch)
 
     def batches(self, batch_size: int, *, shuffle: bool, seed: int = 0, epoch: int = 0,
                 skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
@@ -265,6 +252,25 @@ class Split:
             data.setdefault(title, []).append({"context": t["contexts"][cid], "qas": qas})
         return {"version": self.version,
                 "data": [{"title": k, "paragraphs": v} for k, v in data.items()]}
+
+
+def bucketed_batches(lengths: np.ndarray, batch_size: int, *, shuffle: bool, seed: int = 0,
+                     epoch: int = 0) -> list[np.ndarray]:
+    """Positions of each batch of examples of these ``lengths``. Shuffled: random chunks of
+    ``BUCKET_CHUNK`` batches, each sorted by length, cut into batches, batches shuffled;
+    deterministic for (seed, epoch). Not shuffled: sorted by length (for evaluation)."""
+    if not shuffle:
+        order = np.argsort(lengths, kind="stable")
+        return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng = np.random.default_rng([seed, epoch])
+    perm = rng.permutation(len(lengths))
+    chunk = batch_size * BUCKET_CHUNK
+    batches = []
+    for i in range(0, len(perm), chunk):
+        part = perm[i:i + chunk]
+        part = part[np.argsort(lengths[part], kind="stable")]
+        batches += [part[j:j + batch_size] for j in range(0, len(part), batch_size)]
+    return [batches[k] for k in rng.permutation(len(batches))]
 
 
 def pack_offsets(ptr, starts, ends) -> tuple[np.ndarray, np.ndarray]:
