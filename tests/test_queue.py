@@ -178,3 +178,13 @@ def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tin
     printed = capsys.readouterr()
     assert "1 runs build their queue entry's config, 1 do not" in printed.out
     assert "1 chapter run(s) build another config" in printed.err
+
+
+def test_full_profile_records_are_committed_not_ignored():
+    import subprocess
+
+    from mrc_lib import records
+
+    path = records.record_path("01_bidaf_qanet", "bidaf").relative_to(records.ROOT)
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=records.ROOT)
+    assert ignored.returncode == 1, f"{path} is ignored by git: records would never land"
