@@ -59,6 +59,7 @@ class Entry:
     schedule: str
     dataset: str = "squad-v1.1"
     overrides: tuple[str, ...] = ()
+    smoke_overrides: tuple[str, ...] = ()
     seeds: tuple[int, ...] = (0,)
     runner: str = "packed"
     note: str = ""
@@ -81,11 +82,13 @@ class Job:
         return f"{self.entry.chapter}/{self.name}"
 
     def config(self, profile: str = "full"):
+        """The run's config at ``profile`` (the entry's ``smoke_overrides`` too at smoke)."""
         from mrc_lib.config import resolve_config
 
         e = self.entry
+        smoke = e.smoke_overrides if profile == "smoke" else ()
         return resolve_config(e.model, e.dataset, profile,
-                              overrides=[*e.overrides, f"seed={self.seed}"])
+                              overrides=[*e.overrides, *smoke, f"seed={self.seed}"])
 
 
 def _entry(path: Path, chapter: str, k: int, item) -> Entry:
@@ -99,6 +102,7 @@ def _entry(path: Path, chapter: str, k: int, item) -> Entry:
     try:
         entry = Entry(chapter=chapter, **{
             **item, "overrides": tuple(item.get("overrides", ())),
+            "smoke_overrides": tuple(item.get("smoke_overrides", ())),
             "seeds": tuple(item.get("seeds", (0,)))})
     except TypeError as e:
         raise UserError(f"{where}: {e}") from None

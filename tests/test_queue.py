@@ -188,3 +188,12 @@ def test_full_profile_records_are_committed_not_ignored():
     path = records.record_path("01_bidaf_qanet", "bidaf").relative_to(records.ROOT)
     ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=records.ROOT)
     assert ignored.returncode == 1, f"{path} is ignored by git: records would never land"
+
+
+def test_smoke_overrides_apply_at_the_smoke_profile_only(tmp_path):
+    path = write_queue(tmp_path, {"ch": [
+        {"run": "r", "model": "bidaf", "priority": 2, "minutes": 1, "schedule": "-",
+         "overrides": ["hparams.hidden=8"], "smoke_overrides": ["max_steps=4"]}]})
+    (job,) = queue.load_queue(path)
+    assert job.config("smoke").max_steps == 4 and job.config("smoke").hparams["hidden"] == 8
+    assert job.config("full").max_steps is None and job.config("full").hparams["hidden"] == 8
