@@ -514,11 +514,11 @@ def test_encoder_block_kept_sublayer_is_rescaled_by_survival_probability():
 # ---------------------------------------------------------------- span loss and decoding
 
 
-def test_span_loss_equals_mean_negative_log_likelihood():
+def test_span_loss_is_bidaf_eq6_the_two_ends_summed_and_averaged_over_the_batch():
     start, end = torch.randn(3, 6), torch.randn(3, 6)
     y1, y2 = torch.tensor([0, 2, 5]), torch.tensor([1, 2, 5])
     log_p1, log_p2 = start.log_softmax(-1), end.log_softmax(-1)
-    expected = -(log_p1[torch.arange(3), y1] + log_p2[torch.arange(3), y2]).mean() / 2
+    expected = -(log_p1[torch.arange(3), y1] + log_p2[torch.arange(3), y2]).mean()
     torch.testing.assert_close(span_loss(start, end, y1, y2), expected)
     masked = mask_logits(start, lengths_mask([6, 3, 6]))
     assert torch.isfinite(span_loss(masked, end, y1, y2))

@@ -104,7 +104,7 @@ def nll(logits: torch.Tensor, target: int) -> torch.Tensor:
 def test_span_objective_is_eq6_over_the_answerable_rows_only():
     out, batch = span_batch()
     s, e = out["start_logits"], out["end_logits"]
-    expected = (nll(s[0], 1) + nll(s[2], 2) + nll(e[0], 3) + nll(e[2], 4)) / 4
+    expected = (nll(s[0], 1) + nll(s[2], 2) + nll(e[0], 3) + nll(e[2], 4)) / 2  # 2 answerable
     torch.testing.assert_close(get_task("span").objective(out, batch), expected)
     # The unanswerable row's targets (and logits) do not matter.
     batch["y1"][1], batch["y2"][1] = 4, 4

@@ -312,7 +312,7 @@ def last_hop_loss(start_logits: Tensor, end_logits: Tensor, batch: dict[str, Ten
     (those whose answer survived the context limit)."""
     has = batch["has_answer"]
     y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
-    return 2 * span_loss(start_logits, end_logits, y1, y2)  # span_loss averages the two terms
+    return span_loss(start_logits, end_logits, y1, y2)
 
 
 def row_correlation(scores: Tensor) -> float:

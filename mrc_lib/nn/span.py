@@ -6,10 +6,13 @@ from torch import Tensor
 
 
 def span_loss(start_logits: Tensor, end_logits: Tensor, y1: Tensor, y2: Tensor) -> Tensor:
-    """Mean negative log-likelihood of the gold start and end (BiDAF Eq. 6), averaged over the
-    two ends and the batch. Logits are ``[B, L]`` and already masked.
+    """BiDAF Eq. 6: ``−(1/N) Σ_i [log p¹(y¹_i) + log p²(y²_i)]``, the two ends' negative
+    log-likelihoods summed and averaged over the batch (targets ``-100`` are left out of the
+    mean). Logits are ``[B, L]`` and already masked. The sum, not the mean of the two, is what
+    the papers train: it sets the gradient's scale, which gradient clipping and Adadelta (whose
+    step is proportional to the gradient while its accumulators are below ``ε``) see.
     """
-    return (F.cross_entropy(start_logits, y1) + F.cross_entropy(end_logits, y2)) / 2
+    return F.cross_entropy(start_logits, y1) + F.cross_entropy(end_logits, y2)
 
 
 def decode_span(p_start: Tensor, p_end: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
