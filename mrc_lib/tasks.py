@@ -89,9 +89,9 @@ class Span(Task):
                              **_limits(cfg))
 
     def objective(self, out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        """The span negative log-likelihood (BiDAF Eq. 6), averaged over the answerable
-        examples: an unanswerable one (or one whose answer the context limit cut off) gets the
-        target -100, which cross-entropy ignores in its mean."""
+        """The span negative log-likelihood (BiDAF Eq. 6: the two ends summed), averaged over
+        the answerable examples: an unanswerable one (or one whose answer the context limit cut
+        off) gets the target -100, which cross-entropy ignores in its mean."""
         has = batch["has_answer"]
         y1, y2 = batch["y1"].where(has, -100), batch["y2"].where(has, -100)
         return span_loss(out["start_logits"].float(), out["end_logits"].float(), y1, y2)

@@ -523,8 +523,9 @@ class Trainer:
         dev = self._broadcast(record.get("dev"))
         self.schedule.epoch_end(task.score(dev, self.cfg.plateau_metric))
         progress.history.append(record)
-        if progress.best is None or task.score(dev) > progress.best["score"]:
-            progress.best = {"epoch": record["epoch"], "score": task.score(dev),
+        score = task.score(dev)
+        if progress.best is None or score > progress.best["score"]:
+            progress.best = {"epoch": record["epoch"], "score": score,
                              "dev": record.get("dev"), "test": record.get("test")}
         progress.seconds_per_epoch.append(progress.train_seconds)
         progress.train_seconds = progress.loss_sum = 0.0

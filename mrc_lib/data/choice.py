@@ -185,7 +185,7 @@ def load_cloze_data(*, subset: str, limits: dict | None = None, glove: str = "gl
     (:func:`~mrc_lib.data.cloze.cloze_embeddings`); ``wiki`` are
     :func:`~mrc_lib.data.cloze.load_wiki_cloze`'s options (``limits`` there is ``articles``
     here)."""
-    cloze = load_wiki_cloze(limits=wiki.pop("articles", None), seed=seed, **wiki)
+    cloze = _wiki_cloze(seed, wiki)
     word_ids, vectors, glove_digest = cloze_embeddings(cloze, glove, seed=seed)
     limits = limits or {}
     splits = {name: ClozeSplit(cloze.sets[subset][source], word_ids, source, limits.get(name))
@@ -201,7 +201,7 @@ def load_passage_data(*, subset: str, limits: dict | None = None, glove: str = "
     from mrc_lib.data.cache import load_prepared
 
     squad = load_prepared("squad-v1.1", ("train", "dev"), glove=glove)
-    cloze = load_wiki_cloze(limits=wiki.pop("articles", None), seed=seed, **wiki)
+    cloze = _wiki_cloze(seed, wiki)
     limits = limits or {}
     splits = {name: PassageSplit(cloze.examples(subset, source)[:limits.get(name)], squad.vocab,
                                  source)
@@ -209,3 +209,10 @@ def load_passage_data(*, subset: str, limits: dict | None = None, glove: str = "
     return ChoiceData(f"wiki-cloze {subset}, multi-passage",
                       dataclasses.replace(squad.vocab, n_feats=1), splits,
                       {**squad.digests, **cloze.digests})
+
+
+def _wiki_cloze(seed: int, options: dict):
+    """:func:`~mrc_lib.data.cloze.load_wiki_cloze` with the tasks' ``data_options`` (whose
+    ``articles`` is its ``limits``)."""
+    options = dict(options)
+    return load_wiki_cloze(limits=options.pop("articles", None), seed=seed, **options)
