@@ -2,8 +2,8 @@
 
     python -m mrc_lib queue [--out DIR]                      # done / partial / missing
     python -m mrc_lib queue run --minutes M --out DIR [--parallel N]
-    python -m mrc_lib queue pack --out DIR --to DEST          # DIR -> pieces of <= 15 MiB
-    python -m mrc_lib queue unpack --from DEST --out DIR      # the pieces -> DIR
+    python -m mrc_lib queue pack --out DIR --to DEST [--bundle K]   # DIR -> bundle K
+    python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
     python -m mrc_lib queue verify                            # chapters build these configs?
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from mrc_lib import records
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_write_json, join_parts, write_parts
+from mrc_lib.utils import atomic_write_bytes, atomic_write_json, cut_parts, join_parts
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
 RUNNERS = ("packed", "notebook")
@@ -293,64 +294,116 @@ def find_job(jobs: list[Job], key: str) -> Job:
     raise UserError(f"no run {key!r} in the queue")
 
 
-# --- moving DIR to and from a GPU machine ------------------------------------------------------
+# --- moving a runner folder between machines, in bundles that fit one command -----------------
 
 
-def _members(out: Path, budget: int) -> tuple[list[Path], list[str]]:
-    """The files of ``out`` worth bringing back within ``budget`` bytes: every record and
-    run status, then whole run folders of partial runs (checkpoint parts included) while they
-    fit; complete runs' checkpoints stay behind (their record is what counts)."""
-    keep = sorted(p for p in (out / "records").rglob("*.json")) if (out / "records").is_dir() \
-        else []
-    used, left_out = sum(p.stat().st_size for p in keep), []
+def _units(out: Path) -> list[tuple[str, list[Path]]]:
+    """``out``'s files worth moving, as units that arrive whole or not at all: ``records``
+    (every record, and every finished run's status) first, then each partial run's folder
+    (checkpoint parts included), smallest first. Finished runs' checkpoints stay behind: their
+    record is what counts."""
+    head = sorted((out / "records").rglob("*.json")) if (out / "records").is_dir() else []
+    runs = []
     for status in sorted(out.glob("*/**/status.json")):
         folder = status.parent
         if json.loads(status.read_text(encoding="utf-8"))["complete"]:
-            keep.append(status)
+            head.append(status)
             continue
-        files = [p for p in folder.rglob("*") if p.is_file() and
-                 not any(part in LEFT_BEHIND for part in p.relative_to(folder).parts)
-                 and not p.name.endswith(".part")]
-        size = sum(p.stat().st_size for p in files)
-        if used + size > budget:
-            left_out.append(str(folder.relative_to(out)))
-            continue
-        keep += files
-        used += size
-    return keep, left_out
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and
+                       not any(part in LEFT_BEHIND for part in p.relative_to(folder).parts)
+                       and not p.name.endswith(".part"))
+        runs.append((str(folder.relative_to(out)), files))
+    runs.sort(key=lambda unit: (sum(p.stat().st_size for p in unit[1]), unit[0]))
+    return [("records", head), *runs]
 
 
-def pack(out: Path, dest: Path, budget: int = PACK_BUDGET) -> tuple[list[Path], list[str]]:
-    """Write ``out``'s records and partial runs as one tar cut into pieces of at most 15 MiB,
-    ``dest/queue.tar.000``, ... plus ``dest/queue.json`` (their sizes and SHA-256): at most
-    five files, under the 64 MiB that may come back per command. Returns the files written and
-    the partial runs left out for lack of room."""
-    members, left_out = _members(out, budget)
+def _tar(out: Path, files: list[Path]) -> bytes:
+    """``files`` as one tar, named relative to ``out``: the same bytes for the same files, so
+    that each bundle of one pack may be written by its own command."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        for path in members:
-            tar.add(path, arcname=str(path.relative_to(out)))
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in files:
+            info = tar.gettarinfo(path, arcname=str(path.relative_to(out)))
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            info.mtime = int(info.mtime)
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    return buffer.getvalue()
+
+
+def pack(out: Path, dest: Path, bundle: int = 1,
+         budget: int = PACK_BUDGET) -> tuple[list[Path], int]:
+    """Write bundle ``bundle`` of ``out``'s transfer into ``dest``; return the files written
+    and the number of bundles.
+
+    Each unit of :func:`_units` is a tar cut into pieces of at most 15 MiB,
+    ``queue.<unit>.<piece>``; the pieces, in order, fill bundles of at most ``budget`` bytes
+    (60 MiB: what may come back from the GPU machine per command, or carried to it beside the
+    cache), so a partial run larger than one command's transfer (PhaseCond's checkpoint is
+    about 113 MiB) travels over several. Every bundle holds ``queue.json``, the whole pack's
+    listing, so that :func:`unpack` can check that its bundles belong together. ``out`` must
+    not change between the commands that write one pack's bundles."""
+    listing, chunks, n_bundles, used = [], {}, 1, 0
+    for k, (name, files) in enumerate(_units(out)):
+        blob = _tar(out, files)
+        pieces = []
+        for piece, chunk in cut_parts(blob, f"queue.{k:03d}", PIECE_BYTES):
+            if used and used + piece["bytes"] > budget:
+                n_bundles, used = n_bundles + 1, 0
+            used += piece["bytes"]
+            pieces.append(piece | {"bundle": n_bundles})
+            chunks[piece["name"]] = chunk
+        listing.append({"unit": name, "sha256": hashlib.sha256(blob).hexdigest(),
+                        "pieces": pieces})
+    if not 1 <= bundle <= n_bundles:
+        raise UserError(f"{out}: its pack has {n_bundles} bundle(s); there is no bundle "
+                        f"{bundle}")
     dest.mkdir(parents=True, exist_ok=True)
-    pieces = write_parts(buffer.getvalue(), dest, "queue.tar", PIECE_BYTES)
-    atomic_write_json(dest / "queue.json", {"pieces": pieces, "left_out": left_out})
-    return [dest / "queue.json", *(dest / p["name"] for p in pieces)], left_out
+    written = [p["name"] for unit in listing for p in unit["pieces"] if p["bundle"] == bundle]
+    for stale in dest.glob("queue.[0-9]*.[0-9]*"):
+        if stale.name not in written:
+            stale.unlink()
+    for name in written:
+        atomic_write_bytes(dest / name, chunks[name])
+    atomic_write_json(dest / "queue.json", {"bundles": n_bundles, "units": listing})
+    return [dest / "queue.json", *(dest / name for name in written)], n_bundles
 
 
-def unpack(source: Path, out: Path) -> list[str]:
-    """Join and check the pieces :func:`pack` wrote in ``source`` and extract them into
-    ``out`` (replacing those runs' files); a missing or corrupt piece is a one-line error."""
-    manifest = source / "queue.json"
-    try:
-        pieces = json.loads(manifest.read_text(encoding="utf-8"))["pieces"]
-    except FileNotFoundError:
-        raise UserError(f"{manifest}: no packed queue here") from None
-    except (json.JSONDecodeError, KeyError) as e:
-        raise UserError(f"{manifest}: corrupt manifest: {e}") from None
-    blob = join_parts(manifest, pieces, what="piece")
-    with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
-        names = tar.getnames()
-        tar.extractall(out, filter="data")
-    return names
+def unpack(sources: list[Path], out: Path) -> tuple[list[str], list[str]]:
+    """Extract into ``out`` every unit of a pack whose pieces are all in ``sources`` (the
+    folders of its bundles, in any order); a partial run's folder is replaced whole. Returns
+    the files extracted and the units left out because a bundle is missing. A corrupt piece,
+    or bundles of different packs, is a one-line error."""
+    listings = {}
+    for source in sources:
+        manifest = source / "queue.json"
+        try:
+            listings[manifest] = json.loads(manifest.read_text(encoding="utf-8"))["units"]
+        except FileNotFoundError:
+            raise UserError(f"{manifest}: no packed queue here") from None
+        except (json.JSONDecodeError, KeyError) as e:
+            raise UserError(f"{manifest}: corrupt manifest: {e}") from None
+    manifest, units = next(iter(listings.items()))
+    for other, listing in listings.items():
+        if listing != units:
+            raise UserError(f"{other}: a bundle of another pack than {manifest}'s (the queue "
+                            "folder changed between the two packs)")
+    folders = {p.name: p.parent for source in sources for p in source.glob("queue.[0-9]*")}
+    names, left_out = [], []
+    for unit in units:
+        if Path(unit["unit"]).is_absolute() or ".." in Path(unit["unit"]).parts:
+            raise UserError(f"{manifest}: unit {unit['unit']!r} is outside the queue folder")
+        if any(p["name"] not in folders for p in unit["pieces"]):
+            left_out.append(unit["unit"])
+            continue
+        blob = join_parts(manifest, unit["pieces"], what="piece", folders=folders)
+        if unit["unit"] != "records":
+            shutil.rmtree(out / unit["unit"], ignore_errors=True)
+        with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:
+            names += tar.getnames()
+            tar.extractall(out, filter="data")
+    return names, left_out
 
 
 def import_records(out: Path) -> list[Path]:
@@ -399,16 +452,24 @@ def queue_cli(args) -> None:
     """``python -m mrc_lib queue [run|work|pack|unpack|import|verify]``."""
     action = args.action or "status"
     out = Path(args.out) if args.out else None
-    if action in ("run", "work", "pack", "import") and out is None:
+    if action in ("run", "work", "pack", "unpack", "import") and out is None:
         raise UserError(f"queue {action} needs --out DIR")
+    if action == "pack" and args.to is None:
+        raise UserError("queue pack needs --to DEST")
+    if action == "unpack" and not args.source:
+        raise UserError("queue unpack needs --from DEST...")
     if action == "pack":
-        files, left_out = pack(out, Path(args.to))
+        files, n_bundles = pack(out, Path(args.to), args.bundle, int(args.bundle_mib * 2**20))
         print("\n".join(map(str, files)))
-        if left_out:
-            print(f"left out for lack of room: {', '.join(left_out)}", file=sys.stderr)
+        if n_bundles > 1:
+            print(f"bundle {args.bundle} of {n_bundles}: pack the others with --bundle K, "
+                  f"before {out} changes", file=sys.stderr)
         return
     if action == "unpack":
-        print(f"{len(unpack(Path(args.source), out))} files into {out}")
+        names, left_out = unpack([Path(s) for s in args.source], out)
+        print(f"{len(names)} files into {out}")
+        if left_out:
+            print(f"left out, a bundle missing: {', '.join(left_out)}", file=sys.stderr)
         return
     if action == "import":
         print("\n".join(map(str, import_records(out))))
@@ -454,7 +515,11 @@ def add_parser(sub) -> None:
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)
     s.add_argument("--job", default=None, help=argparse.SUPPRESS)
     s.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
-    s.add_argument("--to", default=None, help="pack: the folder to write the pieces to")
-    s.add_argument("--from", dest="source", default=None, help="unpack: the pieces' folder")
+    s.add_argument("--to", default=None, help="pack: the folder to write the bundle to")
+    s.add_argument("--bundle", type=int, default=1, help="pack: which bundle to write")
+    s.add_argument("--bundle-mib", type=float, default=PACK_BUDGET / 2**20,
+                   help="pack: the most MiB a bundle holds")
+    s.add_argument("--from", dest="source", nargs="+", default=None,
+                   help="unpack: the bundles' folders")
     s.set_defaults(func=queue_cli)
 

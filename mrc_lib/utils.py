@@ -38,26 +38,34 @@ def atomic_write_bytes(path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def write_parts(blob: bytes, folder: Path, prefix: str, part_bytes: int) -> list[dict]:
-    """Write ``blob`` as ``folder/<prefix>.000``, ``.001``, ... of at most ``part_bytes``
-    each (one, possibly empty, at least); return the manifest entries ``{"name", "bytes",
-    "sha256"}``."""
+def cut_parts(blob: bytes, prefix: str, part_bytes: int) -> list[tuple[dict, bytes]]:
+    """``blob`` cut into chunks of at most ``part_bytes`` (one, possibly empty, at least), each
+    with its manifest entry ``{"name": "<prefix>.000", "bytes", "sha256"}``."""
     parts = []
     for k, start in enumerate(range(0, max(len(blob), 1), part_bytes)):
         chunk = blob[start:start + part_bytes]
-        name = f"{prefix}.{k:03d}"
-        atomic_write_bytes(folder / name, chunk)
-        parts.append({"name": name, "bytes": len(chunk),
-                      "sha256": hashlib.sha256(chunk).hexdigest()})
+        parts.append(({"name": f"{prefix}.{k:03d}", "bytes": len(chunk),
+                       "sha256": hashlib.sha256(chunk).hexdigest()}, chunk))
     return parts
 
 
-def join_parts(manifest: Path, parts: list[dict], what: str = "checkpoint part") -> bytes:
-    """The parts :func:`write_parts` listed (in ``manifest``, beside them), checked and
-    concatenated; a missing or altered one is a one-line :class:`UserError` naming it."""
+def write_parts(blob: bytes, folder: Path, prefix: str, part_bytes: int) -> list[dict]:
+    """Write ``blob`` as ``folder/<prefix>.000``, ``.001``, ... of at most ``part_bytes``
+    each (:func:`cut_parts`); return their manifest entries."""
+    parts = cut_parts(blob, prefix, part_bytes)
+    for part, chunk in parts:
+        atomic_write_bytes(folder / part["name"], chunk)
+    return [part for part, _ in parts]
+
+
+def join_parts(manifest: Path, parts: list[dict], what: str = "checkpoint part",
+               folders: dict[str, Path] | None = None) -> bytes:
+    """The parts :func:`write_parts` listed in ``manifest``, checked and concatenated; each
+    is read beside the manifest, or from ``folders[name]`` where given. A missing or altered
+    one is a one-line :class:`UserError` naming it."""
     chunks = []
     for part in parts:
-        file = manifest.parent / part["name"]
+        file = (folders or {}).get(part["name"], manifest.parent) / part["name"]
         try:
             chunk = file.read_bytes()
         except FileNotFoundError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -62,15 +63,23 @@ def test_a_bad_entry_is_a_one_line_error_naming_file_and_entry(tmp_path, entry, 
 
 
 def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, tiny_queue,
-                                                             capsys):
+                                                             capsys, monkeypatch):
     jobs = queue.load_queue(tiny_queue)
     seed0, seed1 = jobs[0], jobs[1]
     whole = queue.work(seed0, tmp_path / "whole", None, "smoke")  # uninterrupted, in-process
     assert whole["complete"]
 
-    out = tmp_path / "q"
-    cut = queue.work(seed0, out, 0.0, "smoke")  # the deadline has passed: one step, then stop
+    gpu = tmp_path / "gpu"
+    cut = queue.work(seed0, gpu, 0.0, "smoke")  # the deadline has passed: one step, then stop
     assert not cut["complete"] and cut["steps"] == 1
+    # The partial run moves to another machine in several bundles, as a PhaseCond run would.
+    monkeypatch.setattr(queue, "PIECE_BYTES", 20_000)
+    n_bundles = queue.pack(gpu, tmp_path / "b1", budget=40_000)[1]
+    assert n_bundles > 1
+    for k in range(2, n_bundles + 1):
+        queue.pack(gpu, tmp_path / f"b{k}", bundle=k, budget=40_000)
+    out = tmp_path / "q"
+    queue.unpack([tmp_path / f"b{k}" for k in range(1, n_bundles + 1)], out)
     assert queue.state_of(seed0, out, "smoke")[0] == "partial"
     assert [j.key for j in queue.pending(jobs, out, "smoke")] == [seed0.key, seed1.key]
 
@@ -94,8 +103,8 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     assert "2 done, 0 partial, 0 missing, 1 notebook" in capsys.readouterr().out
 
 
-def test_pack_and_unpack_in_pieces(tmp_path, monkeypatch):
-    out = tmp_path / "q"
+def _runner_folder(out: Path) -> tuple[Path, Path]:
+    """A runner folder with one record, a partial run ``ch/b`` and a finished run ``ch/c``."""
     (out / "records" / "ch").mkdir(parents=True)
     (out / "records" / "ch" / "a.json").write_text("{}")
     partial, complete = out / "ch" / "b", out / "ch" / "c"
@@ -105,22 +114,64 @@ def test_pack_and_unpack_in_pieces(tmp_path, monkeypatch):
         (folder / "checkpoint.pt").write_bytes(b"m" * 100)
         (folder / "checkpoint.pt.abc.000").write_bytes(bytes(range(256)) * 40)
         (folder / "model.pt").write_bytes(b"w" * 5000)  # left behind: rebuilt or not needed
+    return partial, complete
+
+
+def test_pack_and_unpack_in_pieces(tmp_path, monkeypatch):
+    out = tmp_path / "q"
+    partial, _ = _runner_folder(out)
     monkeypatch.setattr(queue, "PIECE_BYTES", 4000)
-    files, left_out = queue.pack(out, tmp_path / "back")
-    assert left_out == [] and len(files) > 2 and all(f.stat().st_size <= 4000 for f in files)
-    names = queue.unpack(tmp_path / "back", tmp_path / "again")
+    files, n_bundles = queue.pack(out, tmp_path / "back")
+    assert n_bundles == 1 and len(files) > 2 and all(f.stat().st_size <= 4000 for f in files)
+    (tmp_path / "again" / "ch" / "b").mkdir(parents=True)
+    (tmp_path / "again" / "ch" / "b" / "stale.000").write_text("replaced with the folder")
+    names, left_out = queue.unpack([tmp_path / "back"], tmp_path / "again")
+    assert left_out == []
     assert sorted(names) == ["ch/b/checkpoint.pt", "ch/b/checkpoint.pt.abc.000",
                              "ch/b/status.json", "ch/c/status.json", "records/ch/a.json"]
-    again = tmp_path / "again" / "ch" / "b" / "checkpoint.pt.abc.000"
-    assert again.read_bytes() == (partial / "checkpoint.pt.abc.000").read_bytes()
+    again = tmp_path / "again" / "ch" / "b"
+    assert sorted(p.name for p in again.iterdir()) == ["checkpoint.pt", "checkpoint.pt.abc.000",
+                                                       "status.json"]
+    assert (again / "checkpoint.pt.abc.000").read_bytes() == \
+        (partial / "checkpoint.pt.abc.000").read_bytes()
 
-    _, left_out = queue.pack(out, tmp_path / "small", budget=1000)
-    assert left_out == ["ch/b"]
-    piece = tmp_path / "back" / "queue.tar.001"
+    piece = tmp_path / "back" / "queue.001.001"
     piece.write_bytes(piece.read_bytes()[:-1])
     with pytest.raises(UserError, match="piece corrupt") as e:
-        queue.unpack(tmp_path / "back", tmp_path / "third")
+        queue.unpack([tmp_path / "back"], tmp_path / "third")
     assert str(piece) in str(e.value)
+
+
+def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
+    """PhaseCond's checkpoint (113 MiB) is larger than what one command may carry or bring
+    back: its pieces fill several bundles, each written by its own ``pack --bundle K``."""
+    out = tmp_path / "q"
+    partial, _ = _runner_folder(out)
+    (partial / "checkpoint.pt.abc.000").write_bytes(bytes(range(256)) * 160)  # 40 KiB
+    monkeypatch.setattr(queue, "PIECE_BYTES", 15_000)
+    _, n_bundles = queue.pack(out, tmp_path / "b1", budget=31_000)
+    assert n_bundles > 1
+    bundles = []
+    for k in range(1, n_bundles + 1):
+        files, _ = queue.pack(out, tmp_path / f"b{k}", bundle=k, budget=31_000)
+        assert sum(f.stat().st_size for f in files[1:]) <= 31_000
+        bundles.append(tmp_path / f"b{k}")
+    with pytest.raises(UserError, match=f"no bundle {n_bundles + 1}"):
+        queue.pack(out, tmp_path / "extra", bundle=n_bundles + 1, budget=31_000)
+
+    # the records come first; the partial run needs every bundle
+    names, left_out = queue.unpack(bundles[:1], tmp_path / "first")
+    assert left_out == ["ch/b"] and "records/ch/a.json" in names
+    assert not (tmp_path / "first" / "ch" / "b").exists()
+    names, left_out = queue.unpack(bundles[::-1], tmp_path / "all")
+    assert left_out == [] and "ch/b/checkpoint.pt.abc.000" in names
+    assert (tmp_path / "all" / "ch" / "b" / "checkpoint.pt.abc.000").read_bytes() == \
+        (partial / "checkpoint.pt.abc.000").read_bytes()
+
+    (partial / "checkpoint.pt").write_bytes(b"n" * 100)  # the run moved on after bundle 1
+    queue.pack(out, tmp_path / "b2", bundle=2, budget=31_000)
+    with pytest.raises(UserError, match="another pack"):
+        queue.unpack(bundles, tmp_path / "mixed")
 
 
 def test_queue_configs_hash_like_the_chapter_01_notebook_builds_them():
@@ -150,6 +201,8 @@ def test_cli_pack_unpack_import(tmp_path, monkeypatch, capsys):
     assert main(["queue", "import", "--out", str(out)]) == 2
     assert "r.json: corrupt run record" in capsys.readouterr().err
     assert main(["queue", "run"]) == 2  # no --out
+    assert main(["queue", "pack", "--out", str(out)]) == 2  # no --to
+    assert "needs --to" in capsys.readouterr().err
 
 
 def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tiny_queue, capsys):
