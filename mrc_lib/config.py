@@ -50,7 +50,8 @@ class TrainConfig:
             (:data:`DATASET_TASKS`, else ``span``).
         data_options: options of the dataset's builder (``wiki-cloze``: ``subset`` and
             :func:`~mrc_lib.data.cloze.load_wiki_cloze`'s ``articles``, ``doc_sentences``,
-            ``seed``).
+            ``seed``; ``squad-v1.1``: ``passages`` and ``token_cap`` of its multi-passage
+            form, :mod:`mrc_lib.data.multipassage`).
         profile: the profile the values came from (recorded, not interpreted).
         hparams: keyword arguments of the model (its defaults are the paper's values).
         glove: word vectors the vocabulary is built from.

@@ -15,9 +15,9 @@ a priority) as ``N`` concurrent worker processes on one device, starting the nex
 until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoints and stops
 cleanly at that deadline (checked between steps), and the same command on the same ``DIR``
 resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
-log, ``status.json``) and ``records/<chapter>/<run>.json`` for finished runs. Runs marked
-``runner: notebook`` (run sets that only their chapter builds, such as the EA Reader's variant
-table and DynSAN's multi-passage data) are left to ``reproduce NAME --profile full``.
+log, ``status.json``) and ``records/<chapter>/<run>.json`` for finished runs. Every entry's
+data follows from its config (multi-passage SQuAD and Wiki-cloze subsets are data options), so
+every run the book needs is a packed run.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from mrc_lib.errors import UserError
 from mrc_lib.utils import atomic_write_bytes, atomic_write_json, cut_parts, join_parts
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
-RUNNERS = ("packed", "notebook")
 EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
@@ -62,7 +61,6 @@ class Entry:
     overrides: tuple[str, ...] = ()
     smoke_overrides: tuple[str, ...] = ()
     seeds: tuple[int, ...] = (0,)
-    runner: str = "packed"
     note: str = ""
 
 
@@ -108,8 +106,6 @@ def _entry(path: Path, chapter: str, k: int, item) -> Entry:
     except TypeError as e:
         raise UserError(f"{where}: {e}") from None
     where = f"{where} ({entry.run})"
-    if entry.runner not in RUNNERS:
-        raise UserError(f"{where}: runner {entry.runner!r}; expected one of {', '.join(RUNNERS)}")
     if entry.priority not in (1, 2, 3) or not entry.seeds:
         raise UserError(f"{where}: priority must be 1, 2 or 3 and seeds a non-empty list")
     if len(entry.seeds) > 1 and "{seed}" not in entry.run:
@@ -128,11 +124,10 @@ def _check_model(where: str, entry: Entry) -> None:
     if entry.model not in MODELS:
         raise UserError(f"{where}: unknown model {entry.model!r}; known: "
                         f"{', '.join(sorted(MODELS))}")
-    if entry.runner == "packed":
-        try:
-            Job(entry, entry.seeds[0], entry.priority).config()
-        except UserError as e:
-            raise UserError(f"{where}: {e}") from None
+    try:
+        Job(entry, entry.seeds[0], entry.priority).config()
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
 
 
 def load_queue(path: str | Path = QUEUE_FILE) -> list[Job]:
@@ -183,11 +178,9 @@ def progress_of(job: Job, out: Path | None) -> dict | None:
 
 
 def state_of(job: Job, out: Path | None, profile: str = "full") -> tuple[str, float]:
-    """``(done | partial | missing | notebook, fraction done)``."""
-    if job.entry.runner == "packed" and record_of(job, out, profile) is not None:
+    """``(done | partial | missing, fraction done)``."""
+    if record_of(job, out, profile) is not None:
         return "done", 1.0
-    if job.entry.runner == "notebook":
-        return "notebook", 0.0
     status = progress_of(job, out)
     if status is None:
         return "missing", 0.0
@@ -204,7 +197,7 @@ def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full"
         left += job.entry.minutes * (1 - fraction)
         lines.append(f"{state:9} {job.priority:>4} {job.entry.minutes:>5.0f}  {job.key}")
     counts = {s: sum(line.startswith(s) for line in lines[1:])
-              for s in ("done", "partial", "missing", "notebook")}
+              for s in ("done", "partial", "missing")}
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) +
                  f"; GPU-minutes (H100, estimated) done {done:.0f}, left {left:.0f}")
     return "\n".join(lines)
@@ -214,8 +207,8 @@ def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full"
 
 
 def pending(jobs: list[Job], out: Path, profile: str = "full") -> list[Job]:
-    """Packed jobs without a record, by priority, partial ones first, then in file order."""
-    todo = [(j, state_of(j, out, profile)[0]) for j in jobs if j.entry.runner == "packed"]
+    """Jobs without a record, by priority, partial ones first, then in file order."""
+    todo = [(j, state_of(j, out, profile)[0]) for j in jobs]
     todo = [(j, s) for j, s in todo if s in ("missing", "partial")]
     return [j for j, s in sorted(todo, key=lambda js: (js[0].priority, js[1] != "partial"))]
 
@@ -225,10 +218,6 @@ def work(job: Job, out: Path, deadline: float | None, profile: str = "full") -> 
     ``status.json`` and, once it is complete, its record under ``out/records``."""
     from mrc_lib.train import load_data, train
 
-    if job.entry.runner != "packed":
-        raise UserError(f"{job.key} is trained by its chapter's own loop (runner: notebook): "
-                        "the packed runner cannot run it yet; use `python -m mrc_lib reproduce "
-                        f"{job.entry.chapter} --profile full` on the GPU")
     cfg = job.config(profile)
     folder = out / job.entry.chapter / job.name
     metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(),
@@ -255,10 +244,6 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
     status (0: complete or cleanly stopped)."""
     deadline = time.time() + 60 * minutes - reserve
     todo = pending(jobs, out, profile)
-    notebook = sorted({j.entry.chapter for j in jobs if j.entry.runner == "notebook"})
-    if notebook:
-        log(f"not run here (runner: notebook, use `reproduce NAME --profile full`): "
-            f"{', '.join(notebook)}")
     running: dict[str, tuple[subprocess.Popen, object]] = {}
     codes: dict[str, int] = {}
     out.mkdir(parents=True, exist_ok=True)
@@ -429,7 +414,7 @@ def verify(jobs: list[Job], runs: Path) -> tuple[list[str], list[str], list[str]
     profile with the same overrides, must have the same hash. Returns the matching jobs, the
     mismatches (with the keys that differ) and the jobs no smoke run recorded (unchecked)."""
     matched, mismatched, unchecked = [], [], []
-    for job in (j for j in jobs if j.entry.runner == "packed"):
+    for job in jobs:
         path = runs / job.entry.chapter / "smoke" / job.name / "record.json"
         if not path.is_file():
             unchecked.append(job.key)

@@ -83,10 +83,27 @@ class Span(Task):
     name = "span"
 
     def load(self, cfg: TrainConfig):
+        """SQuAD v1.1; with ``data_options.passages`` M, its multi-passage form (DynSAN's
+        setting, :mod:`mrc_lib.data.multipassage`): each question with M ranked paragraphs of
+        its article (``all``: the whole article), at most ``data_options.token_cap`` tokens
+        (default 5,000), no training question dropped for its length."""
         from mrc_lib.data import load_prepared  # the data pipeline imports spaCy
 
-        return load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline,
-                             **_limits(cfg))
+        options = dict(cfg.data_options)
+        if not options:
+            return load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline,
+                                 **_limits(cfg))
+        from mrc_lib.data.multipassage import TOKEN_CAP, multipassage
+
+        if cfg.dataset != "squad-v1.1" or "passages" not in options or \
+                set(options) - {"passages", "token_cap"}:
+            raise UserError(f"data_options {options} of {cfg.dataset}: the span task takes "
+                            "passages (M or 'all') and token_cap, for multi-passage SQuAD v1.1")
+        data = load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline,
+                             **(_limits(cfg) | {"context_limit": None}))
+        m = options["passages"]
+        return multipassage(data, None if m == "all" else m,
+                            token_cap=options.get("token_cap", TOKEN_CAP))
 
     def objective(self, out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         """The span negative log-likelihood (BiDAF Eq. 6: the two ends summed), averaged over

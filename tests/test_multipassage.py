@@ -102,6 +102,29 @@ def test_multipassage_squad_from_the_fixture(mirror):
         np.testing.assert_array_equal(again.splits["train"].a[name], array)
 
 
+def test_a_runs_config_names_its_multi_passage_data(mirror):
+    """The span task builds multi-passage SQuAD from ``data_options`` alone, so the queue's
+    packed runner trains chapter 02's multi-passage runs on the data the chapter builds."""
+    from mrc_lib.config import resolve_config
+    from mrc_lib.errors import UserError
+    from mrc_lib.train import load_data
+
+    def config(*options):
+        return resolve_config("dynsan", "squad-v1.1", "smoke", overrides=list(options))
+
+    data = load_data(config("data_options.passages=2", "data_options.token_cap=5000"))
+    reference = load_multipassage(2)
+    assert data.dataset == reference.dataset and data.digests == reference.digests
+    for split in ("train", "dev"):
+        for name, array in reference.splits[split].a.items():
+            np.testing.assert_array_equal(data.splits[split].a[name], array)
+    whole = load_data(config("data_options.passages=all", "limits.train=3"))
+    assert whole.meta["m"] is None and len(whole.splits["train"]) == 3
+    for bad in (["data_options.token_cap=400"], ["data_options.passages=2", "data_options.m=2"]):
+        with pytest.raises(UserError, match="takes passages"):
+            load_data(config(*bad))
+
+
 @pytest.mark.real_data
 def test_real_multipassage_dev(real_squad):
     subset = {s: split.subset(np.arange(60)) for s, split in real_squad.splits.items()}

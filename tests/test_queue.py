@@ -29,9 +29,7 @@ def write_queue(tmp_path, entries: dict) -> str:
 def tiny_queue(tmp_path):
     return write_queue(tmp_path, {"tq": [
         {"run": "bidaf_seed{seed}", "model": "bidaf", "seeds": [0, 1], "priority": 1,
-         "minutes": 1, "schedule": "tiny", "overrides": TINY},
-        {"run": "cloze", "model": "ea_reader", "priority": 2, "minutes": 1, "schedule": "-",
-         "runner": "notebook"}]})
+         "minutes": 1, "schedule": "tiny", "overrides": TINY}]})
 
 
 def test_the_book_queue_is_valid_and_covers_every_chapter():
@@ -50,7 +48,6 @@ def test_the_book_queue_is_valid_and_covers_every_chapter():
     ({"epochs": 3}, "unknown key(s) epochs"),
     ({"overrides": ["lr=fast"]}, "config lr='fast'"),
     ({"seeds": [0, 1]}, "several seeds need '{seed}'"),
-    ({"runner": "gpu"}, "runner 'gpu'"),
 ])
 def test_a_bad_entry_is_a_one_line_error_naming_file_and_entry(tmp_path, entry, message):
     good = {"run": "a", "model": "bidaf", "priority": 1, "minutes": 1, "schedule": "-"}
@@ -94,13 +91,11 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     for a, b in zip(done[0]["history"], reference["history"], strict=True):
         assert (a["dev"], a["train_loss"]) == (b["dev"], b["train_loss"])
     assert done[1]["config"]["seed"] == 1
-    assert [queue.state_of(j, out, "smoke")[0] for j in jobs] == ["done", "done", "notebook"]
+    assert [queue.state_of(j, out, "smoke")[0] for j in jobs] == ["done", "done"]
     assert queue.pending(jobs, out, "smoke") == []
-    with pytest.raises(UserError, match="runner: notebook"):
-        queue.work(jobs[2], out, None, "smoke")
 
     assert main(["queue", "--file", tiny_queue, "--out", str(out), "--profile", "smoke"]) == 0
-    assert "2 done, 0 partial, 0 missing, 1 notebook" in capsys.readouterr().out
+    assert "2 done, 0 partial, 0 missing;" in capsys.readouterr().out
 
 
 def _runner_folder(out: Path) -> tuple[Path, Path]:
@@ -219,7 +214,7 @@ def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tin
                   "data_digests": {}, "dev": {}, "history": [], "device": "cpu"}
         path.write_text(json.dumps(record))
 
-    seed0, seed1 = (j for j in jobs if j.entry.runner == "packed")
+    seed0, seed1 = jobs
     smoke_record(seed0, seed0.config("smoke"))  # the chapter built the entry's config
     other = seed1.config("smoke")
     other.lr *= 2  # the chapter built another config
