@@ -14,7 +14,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from spacy.attrs import IDX, IS_SPACE, LENGTH
 
 from mrc_lib.errors import UserError
 
@@ -48,7 +47,8 @@ class Tokens:
 
 
 class Tokenizer:
-    """spaCy tokenization that keeps character offsets and drops whitespace tokens."""
+    """spaCy tokenization that keeps character offsets and drops whitespace tokens. spaCy is
+    imported here only: loading a prepared cache needs none (the GPU machine has none)."""
 
     def __init__(self, pipeline: str | None = None, batch_size: int = 256):
         import spacy
@@ -70,6 +70,8 @@ class Tokenizer:
         self.tagged = bool(self.nlp.pipe_names)
 
     def __call__(self, texts: Iterable[str]) -> Iterator[Tokens]:
+        from spacy.attrs import IDX, IS_SPACE, LENGTH
+
         # A blank pipeline only tokenizes: calling the tokenizer directly halves the time.
         docs = (self.nlp.pipe(texts, batch_size=self.batch_size) if self.tagged
                 else self.nlp.tokenizer.pipe(texts, batch_size=self.batch_size))
