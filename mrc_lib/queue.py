@@ -1,6 +1,7 @@
 """The queue of full-profile runs (``mrc_lib/queue.yaml``) and the packed runner.
 
     python -m mrc_lib queue [--out DIR]                      # done / partial / missing
+    python -m mrc_lib queue prepare                          # the data, into the cache
     python -m mrc_lib queue run --minutes M --out DIR [--parallel N]
     python -m mrc_lib queue pack --out DIR --to DEST [--bundle K]   # DIR -> bundle K
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
@@ -403,6 +404,30 @@ def import_records(out: Path) -> list[Path]:
     return copied
 
 
+# --- the data, built on the CPU side -----------------------------------------------------------
+
+
+def prepare(jobs: list[Job], profile: str = "full", log=print) -> list[str]:
+    """Build the data of every job into the cache here, where spaCy, the raw files and GloVe
+    are: the GPU machine has only the cache. One load per distinct data config; multi-passage
+    SQuAD is left to the GPU machine (too large to carry), which builds it from the prepared
+    SQuAD loaded here. Returns the data configs loaded, one line each."""
+    from mrc_lib.train import load_data
+
+    loaded = []
+    for job in jobs:
+        cfg = job.config(profile)
+        if "passages" in cfg.data_options:  # its source, the prepared SQuAD
+            cfg = dataclasses.replace(cfg, data_options={})
+        what = json.dumps([cfg.dataset, cfg.task, cfg.pipeline, cfg.glove, cfg.data_options,
+                           cfg.limits], sort_keys=True)
+        if what not in loaded:
+            log(f"{job.key}: {what}")
+            load_data(cfg)
+            loaded.append(what)
+    return loaded
+
+
 # --- does each chapter build its entry's config? --------------------------------------------
 
 
@@ -460,6 +485,9 @@ def queue_cli(args) -> None:
         print("\n".join(map(str, import_records(out))))
         return
     jobs = load_queue(args.file)
+    if action == "prepare":
+        prepare(jobs, args.profile)
+        return
     if action == "verify":
         matched, mismatched, unchecked = verify(jobs, out or Path("runs"))
         print(f"{len(matched)} runs build their queue entry's config, {len(mismatched)} do "
@@ -488,8 +516,8 @@ def queue_cli(args) -> None:
 
 def add_parser(sub) -> None:
     s = sub.add_parser("queue", help="the full-profile runs: status, packed runner, transfer")
-    s.add_argument("action", nargs="?", choices=["status", "run", "work", "pack", "unpack",
-                                                 "import", "verify"])
+    s.add_argument("action", nargs="?", choices=["status", "prepare", "run", "work", "pack",
+                                                 "unpack", "import", "verify"])
     s.add_argument("--file", default=str(QUEUE_FILE), help="the queue file")
     s.add_argument("--out", default=None, help="the runner's folder (runs, records); verify: "
                    "the smoke run folder (default runs)")

@@ -200,6 +200,27 @@ def test_cli_pack_unpack_import(tmp_path, monkeypatch, capsys):
     assert "needs --to" in capsys.readouterr().err
 
 
+def test_prepare_loads_each_distinct_data_once_and_leaves_multi_passage_to_the_gpu(
+        tmp_path, monkeypatch):
+    from mrc_lib import train
+
+    entry = {"priority": 1, "minutes": 1, "schedule": "-"}
+    path = write_queue(tmp_path, {"ch": [
+        {**entry, "run": "bidaf_seed{seed}", "model": "bidaf", "seeds": [0, 1]},
+        {**entry, "run": "mp4", "model": "dynsan", "overrides": ["data_options.passages=4"]},
+        {**entry, "run": "mp2", "model": "dynsan", "overrides": ["data_options.passages=2"]},
+        {**entry, "run": "ne", "model": "ea_reader", "dataset": "wiki-cloze",
+         "overrides": ["data_options.subset=NE"]},
+        {**entry, "run": "cn", "model": "ea_reader", "dataset": "wiki-cloze",
+         "overrides": ["data_options.subset=CN"]}]})
+    loads = []
+    monkeypatch.setattr(train, "load_data", loads.append)
+    queue.prepare(queue.load_queue(path), log=lambda line: None)
+    assert [(c.dataset, c.data_options.get("subset")) for c in loads] == [
+        ("squad-v1.1", None), ("wiki-cloze", "NE"), ("wiki-cloze", "CN")]
+    assert all("passages" not in c.data_options for c in loads)
+
+
 def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tiny_queue, capsys):
     from mrc_lib import records
 
