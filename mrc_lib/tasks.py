@@ -93,17 +93,17 @@ class Span(Task):
         if not options:
             return load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline,
                                  **_limits(cfg))
-        from mrc_lib.data.multipassage import TOKEN_CAP, multipassage
+        from mrc_lib.data.multipassage import TOKEN_CAP, load_multipassage
 
         if cfg.dataset != "squad-v1.1" or "passages" not in options or \
                 set(options) - {"passages", "token_cap"}:
             raise UserError(f"data_options {options} of {cfg.dataset}: the span task takes "
                             "passages (M or 'all') and token_cap, for multi-passage SQuAD v1.1")
-        data = load_prepared(cfg.dataset, splits=("train", "dev"), pipeline=cfg.pipeline,
-                             **(_limits(cfg) | {"context_limit": None}))
         m = options["passages"]
-        return multipassage(data, None if m == "all" else m,
-                            token_cap=options.get("token_cap", TOKEN_CAP))
+        return load_multipassage(None if m == "all" else m, limits=cfg.limits,
+                                 token_cap=options.get("token_cap", TOKEN_CAP),
+                                 question_limit=cfg.question_limit, glove=cfg.glove,
+                                 pipeline=cfg.pipeline)
 
     def objective(self, out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
         """The span negative log-likelihood (BiDAF Eq. 6: the two ends summed), averaged over

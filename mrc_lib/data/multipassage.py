@@ -283,11 +283,13 @@ def multipassage(data: PreparedData, m: int | None, *, token_cap: int = TOKEN_CA
 
 def load_multipassage(m: int | None, *, limits: dict[str, int] | None = None,
                       token_cap: int = TOKEN_CAP, question_limit: int | None = 50,
+                      glove: str = "glove.6B.50d", pipeline: str | None = None,
                       data_dir=None, cache_dir=None) -> PreparedData:
     """:func:`multipassage` over the first ``limits[split]`` questions of SQuAD v1.1 train and
-    dev."""
-    data = load_prepared("squad-v1.1", ("train", "dev"), limits=limits, context_limit=None,
-                         question_limit=question_limit, data_dir=data_dir, cache_dir=cache_dir)
+    dev, none dropped for its length."""
+    data = load_prepared("squad-v1.1", ("train", "dev"), glove=glove, pipeline=pipeline,
+                         limits=limits, context_limit=None, question_limit=question_limit,
+                         data_dir=data_dir, cache_dir=cache_dir)
     return multipassage(data, m, token_cap=token_cap, cache_dir=cache_dir)
 
 
