@@ -16,10 +16,14 @@ from mrc_lib.comparison import (
 )
 
 
-def record(model, f1, dataset="squad-v1.1", profile="full", eps=100.0, **hparams):
-    return {"config": {"model": model, "dataset": dataset, "profile": profile,
-                       "hparams": hparams}, "dev": {"f1": f1, "exact_match": f1 - 8},
-            "examples_per_second": eps, "complete": True}
+def record(model, f1, dataset="squad-v1.1", profile="full", eps=100.0, run="ch/run",
+           data_options=None, **hparams):
+    chapter, name = run.split("/", 1)
+    return {"chapter": chapter, "run": name,
+            "config": {"model": model, "dataset": dataset, "profile": profile,
+                       "hparams": hparams, "data_options": data_options or {}},
+            "dev": {"f1": f1, "exact_match": f1 - 8}, "examples_per_second": eps,
+            "complete": True}
 
 
 def test_verdicts():
@@ -49,8 +53,9 @@ def test_claims_without_records_are_not_yet_measured():
     rows = claims([])
     assert rows and all(r[-1] == NOT_MEASURED for r in rows)
     assert all("not measured" in r[2] for r in rows)
-    rows = claims([record("decaprop", 81.0, **Side.headline("decaprop").hparams),
-                   record("rnet", 79.0, **Side.headline("rnet").hparams)])
+    rows = claims([record("decaprop", 81.0, run="03_decaprop/decaprop"),
+                   record("rnet", 79.0, run="03_decaprop/rnet"),
+                   record("rnet", 90.0, run="03_decaprop/rnet_plus_something")])
     assert rows[0][-1] == REPRODUCED and "DecaProp 81.00, R-NET 79.00" in rows[0][2]
 
 
@@ -74,9 +79,20 @@ def test_readme_lists_every_registered_reader():
     assert "one model file, one profile and one notebook" in readme
 
 
-def test_a_readers_headline_side_is_its_full_profile_not_an_ablation():
+def test_a_side_counts_only_its_table_rows_runs():
+    """DynSAN's Table 4 side is the single-passage K = 32 run: not a multi-passage run, an
+    ablation or a K sweep of the same reader, even one whose hparams match."""
     side = Side.headline("dynsan")
-    full = record("dynsan", 79.0, **side.hparams)
-    ablation = record("dynsan", 80.0, **{**side.hparams, "block": "fullsan"})
-    assert side.hparams["block"] == "dynsa"
-    assert score([full, ablation], side) == 79.0
+    mp = {"passages": 4, "token_cap": 5000}
+    runs = [record("dynsan", 79.0, run="02_dynsan/table4_dynsa", block="dynsa", top_k=32),
+            record("dynsan", 70.0, run="02_dynsan/table3_0", data_options=mp, block="dynsa"),
+            record("dynsan", 71.0, run="02_dynsan/figure5a_k32", data_options=mp, top_k=32),
+            record("dynsan", 80.0, run="02_dynsan/table4_fullsan", block="fullsan")]
+    assert score(runs, side) == 79.0
+    seeds = Side("phasecond", runs="06_phasecond/phasecond/seed{seed}")
+    runs = [record("phasecond", f1, run=f"06_phasecond/{name}") for f1, name in
+            [(80.0, "phasecond/seed0"), (81.0, "phasecond/seed12"),
+             (99.0, "phasecond_qpattplus/seed0"), (98.0, "phasecond/seedx")]]
+    assert score(runs, seeds) == 80.5
+    # a reader without a headline run: its profile's config, on its profile's data
+    assert Side.headline("san").runs is None

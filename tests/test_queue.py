@@ -41,6 +41,16 @@ def test_the_book_queue_is_valid_and_covers_every_chapter():
                                                         "01_bidaf_qanet/qanet"}
     table = queue.status_table(jobs)
     assert "GPU-minutes (H100, estimated) done" in table.splitlines()[-1]
+    # every run the comparison chapter names is a queue run of that reader and dataset, and
+    # each of the seeds of a side's entry counts for it
+    from mrc_lib.comparison import HEADLINE_RUNS, SIDES, Side
+
+    for side in [*SIDES.values(), *(Side(m, runs=r) for m, r in HEADLINE_RUNS.items())]:
+        named = [j for j in jobs if side.names({"chapter": j.entry.chapter, "run": j.name})]
+        assert named, side
+        assert {(j.entry.model, j.config().dataset) for j in named} == {(side.model,
+                                                                         side.dataset)}
+        assert len(named) == len(named[0].entry.seeds), side
 
 
 @pytest.mark.parametrize("entry, message", [

@@ -157,9 +157,10 @@ class DroppedTrilinear(TrilinearSimilarity):
 
 
 class ABAttention(CoAttention):
-    """Eq. 4: ``I = [ĤOS_p; M; ĤOS_p ⊙ M; ĤOS_p ⊙ S]`` with ``M = Ĥ ĤOS_q`` (row softmax
-    ``Ĥ``) and ``S = Ĥ H̄ᵀ ĤOS_p`` (column softmax ``H̄``): QANet's context-query attention
-    over the weighted histories, with dropout on the similarity matrix."""
+    """``H`` of Eq. 4, then Sec. 2.3's unnumbered ``I = [ĤOS_p; M; ĤOS_p ⊙ M; ĤOS_p ⊙ S]``
+    with ``M = Ĥ ĤOS_q`` (row softmax ``Ĥ``) and ``S = Ĥ H̄ᵀ ĤOS_p`` (column softmax ``H̄``):
+    QANet's context-query attention over the weighted histories, with dropout on the
+    similarity matrix."""
 
     def __init__(self, dim: int, dropout: float = 0.0) -> None:
         super().__init__(dim)

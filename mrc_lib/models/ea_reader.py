@@ -25,11 +25,12 @@ in the document; the answer is the candidate that fills the blank.
   every token. ``W_s``, ``W_e``, ``W_m`` are shared across hops, as the paper states. Whether
   MSCF is shared the paper does not say; we read "multiple memory modules are stacked" as one
   MSCF per hop (default) and offer ``share_mscf=True``. Without write, ``M_t = D``.
-* Answer (Eq. 11): ``p = softmax(W_a s_T)``, and the most probable entity that appears in the
-  document is the answer. We normalize over those candidates only, in training too (our
-  choice: the paper writes the softmax over tokens and restricts only the prediction).
-  ``W_a`` is tied to the word embeddings through a learned projection,
-  ``W_a = E P`` (our choice: the paper does not say how ``W_a`` is parameterized; tying
+* Answer (Eq. 11): ``p = softmax(W_a s_T)``, a distribution over every word of the vocabulary
+  (padding aside), trained by its negative log-likelihood; the most probable candidate that
+  appears in the document is the answer. ``normalize="candidates"`` (a departure, off by
+  default) normalizes over those candidates only, in training too, as an entity classifier
+  restricted to the document would. ``W_a`` is tied to the word embeddings through a learned
+  projection, ``W_a = E P`` (our choice: the paper does not say how ``W_a`` is parameterized; tying
   gives an answer never seen in training a GloVe-initialized row, and an anonymized marker
   ``@entityN`` its own trained row). ``readout="context"`` answers from the last context
   vector ``o`` instead of ``s_T``: the Stanford AR's classifier.
@@ -50,6 +51,7 @@ from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax
 TOKENWISE = ("bilinear", "additive", "dot")
 SCORINGS = ("bitwise", *TOKENWISE, "multihead")
 ANSWERS = ("final_state", "pointer_sum")
+NORMALIZATIONS = ("vocabulary", "candidates")
 READOUTS = ("state", "context")
 
 
@@ -101,8 +103,8 @@ class MSCF(nn.Module):
 
     ``projections=False``: identity maps in Eq. 2 (one reading of Table 1's "w/o multi-space
     projections"; the other is ``subspaces=1``). ``fusion=False`` (only with ``L = 1``) also
-    drops the fusion layer: ``o = c``, the Stanford AR's output. The fusion layer ``W_c`` has
-    a bias, which Eq. 7 does not write.
+    drops the fusion layer: ``o = c``, the Stanford AR's output. ``W_c`` has no bias, as
+    Eq. 7 writes it.
     """
 
     def __init__(self, dim: int, subspaces: int = 6, scoring: str = "bitwise",
@@ -118,7 +120,8 @@ class MSCF(nn.Module):
         self.project_q = projection(dim, learned)  # Eq. 2, W_q^l
         self.project_v = projection(dim, True) if scoring == "multihead" else None  # W_v^l
         self.scores = nn.ModuleList(build_score(scoring, self.k) for _ in range(subspaces))
-        self.fuse = nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) if fusion else nn.Identity()
+        self.fuse = (nn.Sequential(nn.Linear(dim, dim, bias=False), nn.ReLU()) if fusion
+                     else nn.Identity())  # Eq. 7: relu(W_c [c^1; ...; c^L])
 
     def forward(self, D: Tensor, q: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """``D [B, m, 2h]``, ``q [B, 2h]``, ``mask [B, m]`` to the context vector ``o``
@@ -137,12 +140,11 @@ class MSCF(nn.Module):
 
 class MemoryWrite(nn.Module):
     """Gated write (Eqs. 9-10): ``G = σ(W_e [e ⊗ r_m] + W_m M)``,
-    ``M' = G ⊙ (e ⊗ r_m) + (1 − G) ⊙ M``; padding rows stay 0. The gate has a bias (in
-    ``W_e``), which Eq. 9 does not write."""
+    ``M' = G ⊙ (e ⊗ r_m) + (1 − G) ⊙ M``; padding rows stay 0. No bias, as Eq. 9 writes it."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.W_e = nn.Linear(dim, dim)
+        self.W_e = nn.Linear(dim, dim, bias=False)
         self.W_m = nn.Linear(dim, dim, bias=False)
 
     def forward(self, M: Tensor, e: Tensor, mask: Tensor) -> Tensor:
@@ -177,7 +179,9 @@ def restrict(logits: Tensor, candidates: Tensor) -> Tensor:
 @register("ea_reader")
 class EAReader(nn.Module):
     """EA Reader and its ablations: ``subspaces`` (L), ``hops`` (T), ``write``, ``scoring``,
-    ``projections``, ``share_mscf``, ``answer``, ``readout``; ``fusion=False`` with
+    ``projections``, ``share_mscf``, ``answer``, ``readout``, ``normalize`` (what Eq. 11's
+    softmax runs over: the vocabulary, or the candidates in the document; the final-state
+    answer only, pointer-sum being over the candidates by construction); ``fusion=False`` with
     ``subspaces=1, scoring="bilinear", hops=1, readout="context"`` is the Stanford AR.
     Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1. Built over the cloze task's
     ``vocab`` (its ``word_vectors``, :func:`mrc_lib.data.choice.load_cloze_data`); trained and
@@ -187,13 +191,15 @@ class EAReader(nn.Module):
                  hops: int = 2, write: bool = True, scoring: str = "bitwise",
                  fusion: bool = True, projections: bool = True, share_mscf: bool = False,
                  answer: str = "final_state", readout: str = "state",
-                 dropout: float = 0.1) -> None:
+                 normalize: str = "vocabulary", dropout: float = 0.1) -> None:
         super().__init__()
-        if answer not in ANSWERS or readout not in READOUTS:
-            raise UserError(f"answer must be one of {ANSWERS}, readout one of {READOUTS}")
+        if answer not in ANSWERS or readout not in READOUTS or normalize not in NORMALIZATIONS:
+            raise UserError(f"answer must be one of {ANSWERS}, readout one of {READOUTS}, "
+                            f"normalize one of {NORMALIZATIONS}")
         # Every row is trained (the paper updates its embeddings).
         vectors = torch.as_tensor(vocab.word_vectors, dtype=torch.float32).clone()
         self.hops, self.answer, self.readout = hops, answer, readout
+        self.normalize = normalize
         self.embed = nn.Embedding.from_pretrained(vectors, freeze=False, padding_idx=0)
         self.doc_encoder = RNN(vectors.shape[1], hidden, cell="gru", dropout=dropout)
         self.query_encoder = RNN(vectors.shape[1], hidden, cell="gru", dropout=dropout)
@@ -228,19 +234,29 @@ class EAReader(nn.Module):
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Batch of :meth:`mrc_lib.data.cloze.ClozeSet.collate` to ``candidate_log_probs``
-        ``[B, C]`` (Eq. 11: log-probabilities over the candidates that occur in the document,
-        ``-inf`` for the others, float32) and ``attention`` ``[B, T, m, L]`` (Ã of each hop,
+        ``[B, C]`` (Eq. 11: the log-probabilities of the candidates that occur in the document,
+        under the softmax over the vocabulary or over those candidates; ``-inf`` for the
+        others; float32) and ``attention`` ``[B, T, m, L]`` (Ã of each hop,
         averaged over features)."""
         occurs = occurrences(batch["doc_forms"], batch["doc_mask"], batch["cand_forms"])
         M, s, e, attention = self.read(batch)
         x = s if self.readout == "state" else e  # s_T (Eq. 11), or o for the Stanford AR
-        if self.answer == "final_state":
-            E_c = self.embed(batch["cand_words"])  # [B, C, k], rows of E
-            logits = (E_c @ self.P(x).unsqueeze(-1)).squeeze(-1)  # Eq. 11: W_a x = E P x
+        present = occurs.any(dim=-1)
+        if self.answer == "final_state" and self.normalize == "vocabulary":
+            # Eq. 11: p = softmax(W_a x) over the vocabulary, W_a x = E P x; padding is no word
+            logits = (self.P(x) @ self.embed.weight.T).float()  # [B, V]
+            log_p = logits.index_fill(1, torch.tensor([0], device=x.device), float("-inf"))
+            log_p = log_p.log_softmax(-1).gather(1, batch["cand_words"])
+            log_p = restrict(log_p, present)
         else:
-            z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
-            logits = pointer_sum(z, occurs)
-        return {"candidate_log_probs": restrict(logits, occurs.any(dim=-1)).log_softmax(-1),
+            if self.answer == "final_state":
+                E_c = self.embed(batch["cand_words"])  # [B, C, k], rows of E
+                logits = (E_c @ self.P(x).unsqueeze(-1)).squeeze(-1)  # W_a x = E P x
+            else:
+                z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
+                logits = pointer_sum(z, occurs)
+            log_p = restrict(logits, present).log_softmax(-1)
+        return {"candidate_log_probs": log_p,
                 "attention": torch.stack([A.mean(dim=-1) for A in attention], dim=1)}
 
     @torch.no_grad()

@@ -2,8 +2,9 @@
 Reader (Hu et al. 2017), built from PhaseCond's parts (:mod:`mrc_lib.models.phasecond`).
 
 Where PhaseCond runs all question-passage layers first and all self-attention layers after,
-the Iterative Aligner alternates them with an inner fusion after every layer; Sec. 3.2 gives its
-path as ``L^Q_1 → F_inner → L^S_1 → F_inner → L^Q → F_inner → L^S_2 → F_inner``::
+the Iterative Aligner alternates them with an inner fusion after every layer; Sec. 3.2 prints its
+path as ``L^Q_1 → F_inner → L^S_1 → F_inner → L^Q_1 → F_inner → L^S_2 → F_inner`` (the second
+``L^Q_1`` read as a second layer, ``L^Q_2``)::
 
     h ← F_inner(h, L^Q(h))     # question-passage attention (Eqs. 4-5), inner fusion (11-13)
     h ← F_inner(h, L^S(h))     # self-attention (Eqs. 9-10), inner fusion (11-13)

@@ -89,7 +89,7 @@ class AdditiveSimilarity(nn.Module):
     def __init__(self, d1: int, d2: int, hidden: int) -> None:
         super().__init__()
         self.W1 = nn.Linear(d1, hidden, bias=False)
-        self.W2 = nn.Linear(d2, hidden)
+        self.W2 = nn.Linear(d2, hidden, bias=False)
         self.v = nn.Linear(hidden, 1, bias=False)
 
     def forward(self, c: Tensor, q: Tensor) -> Tensor:
