@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mrc_lib.errors import UserError
 from mrc_lib.nn import (
@@ -557,3 +558,48 @@ def test_decode_span_equals_brute_force(max_len, ties):
 def test_decode_span_rejects_empty_band():
     with pytest.raises(ValueError):
         decode_span(torch.rand(1, 3), torch.rand(1, 3), 0)
+
+
+def test_tensorflow_init_draws_glorot_weights_zero_biases_and_forget_bias_one():
+    from mrc_lib.nn.init import tensorflow_init_
+
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"linear": nn.Linear(30, 20), "conv": nn.Conv1d(8, 40, 5),
+                         "emb": nn.Embedding(50, 8, padding_idx=0),
+                         "lstm": nn.LSTM(12, 10, bidirectional=True),
+                         "sim": TrilinearSimilarity(6)})
+    tensorflow_init_(net)
+
+    def within(w, fan_in, fan_out):  # Glorot-uniform: |w| <= sqrt(6 / (fan_in + fan_out))
+        bound = math.sqrt(6 / (fan_in + fan_out))
+        return bool((w.abs() <= bound).all()) and w.abs().max() > 0.8 * bound
+
+    assert within(net["linear"].weight, 30, 20) and (net["linear"].bias == 0).all()
+    assert within(net["conv"].weight, 8 * 5, 40 * 5) and (net["conv"].bias == 0).all()
+    assert within(net["emb"].weight[1:], 50, 8) and (net["emb"].weight[0] == 0).all()
+    assert within(net["sim"].w, 18, 1) and net["sim"].bias == 0
+    lstm = net["lstm"]
+    for suffix in ("l0", "l0_reverse"):  # one TensorFlow kernel [input + h, 4h] per direction
+        assert within(getattr(lstm, f"weight_ih_{suffix}"), 12 + 10, 40)
+        assert within(getattr(lstm, f"weight_hh_{suffix}"), 12 + 10, 40)
+        b = getattr(lstm, f"bias_ih_{suffix}")  # gates i, f, g, o: forget_bias = 1
+        assert (b[10:20] == 1).all() and (b[:10] == 0).all() and (b[20:] == 0).all()
+        assert (getattr(lstm, f"bias_hh_{suffix}") == 0).all()
+    with pytest.raises(UserError, match="LSTMs only"):
+        tensorflow_init_(nn.GRU(4, 4))
+
+
+def test_bidaf_takes_tensorflow_init_as_an_option():
+    from mrc_lib.bench import SyntheticVocab
+    from mrc_lib.models import build_model
+
+    vocab = SyntheticVocab.random(size=1000)
+    torch.manual_seed(0)
+    torch_init = build_model("bidaf", vocab, hidden=4, char_channels=4)
+    torch.manual_seed(0)
+    tf_init = build_model("bidaf", vocab, hidden=4, char_channels=4, init="tensorflow")
+    assert not (torch_init.contextual.layers[0].bias_ih_l0[4:8] == 1).all()
+    assert (tf_init.contextual.layers[0].bias_ih_l0[4:8] == 1).all()
+    assert (tf_init.w_p1.weight.abs() <= (6 / 41) ** 0.5).all()
+    with pytest.raises(UserError, match="init must be one of"):
+        build_model("bidaf", vocab, hidden=4, init="keras")

@@ -14,7 +14,9 @@ Six layers (Sec. 2 of the paper), each commented below with its equations:
    (Eq. 3-4).
 
 Training in the paper: AdaDelta with learning rate 0.5, batch 60, 12 epochs, exponential moving
-average of the weights with decay 0.999 (the trainer's job).
+average of the weights with decay 0.999 (the trainer's job). The paper does not state its
+initialization: PyTorch's defaults (``init="torch"``), or TensorFlow 1's, which the authors' code
+ran on (``init="tensorflow"``, :func:`mrc_lib.nn.init.tensorflow_init_`), a probe of chapter 01.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from mrc_lib.errors import UserError
 from mrc_lib.models import register
 from mrc_lib.models.inputs import InputEmbedding
 from mrc_lib.nn import RNN, BiDAFAttention, mask_logits
+from mrc_lib.nn.init import tensorflow_init_
+
+INITS = ("torch", "tensorflow")
 
 
 @register("bidaf")
@@ -40,11 +46,15 @@ class BiDAF(nn.Module):
         dropout: dropout on the char CNN, on the input of every LSTM layer (locked, one mask
             per sequence) and before each output projection (paper: 0.2).
         use_features: append the data pipeline's token features to the context embedding.
+        init: ``torch`` (PyTorch's default initialization) or ``tensorflow`` (TensorFlow 1's).
     """
 
     def __init__(self, vocab, *, hidden: int = 100, char_dim: int = 8, char_channels: int = 100,
-                 char_kernel: int = 5, dropout: float = 0.2, use_features: bool = False):
+                 char_kernel: int = 5, dropout: float = 0.2, use_features: bool = False,
+                 init: str = "torch"):
         super().__init__()
+        if init not in INITS:
+            raise UserError(f"init must be one of {INITS}, got {init!r}")
         # Layers 1-2: [GloVe(w); CharCNN(c)] -> two-layer highway.
         self.embed = InputEmbedding(vocab, char_dim=char_dim, char_channels=char_channels,
                                     char_kernel=char_kernel, char_dropout=dropout,
@@ -60,6 +70,8 @@ class BiDAF(nn.Module):
         self.w_p1 = nn.Linear(10 * hidden, 1, bias=False)
         self.w_p2 = nn.Linear(10 * hidden, 1, bias=False)
         self.dropout = nn.Dropout(dropout)
+        if init == "tensorflow":
+            tensorflow_init_(self)
 
     def forward(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         c_mask, q_mask = batch["c_mask"], batch["q_mask"]
