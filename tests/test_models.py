@@ -163,7 +163,8 @@ def test_padding_does_not_change_the_output(name):
 def test_registry():
     assert {"bidaf", "qanet"} <= set(MODELS)
     assert hparam_defaults("bidaf") == dict(hidden=100, char_dim=8, char_channels=100,
-                                            char_kernel=5, dropout=0.2, use_features=False)
+                                            char_kernel=5, dropout=0.2, use_features=False,
+                                            init="torch")
     assert hparam_defaults("qanet")["d_model"] == 128
     with pytest.raises(UserError, match="unknown model 'nope'.*bidaf.*qanet"):
         build_model("nope", tiny_vocab())
