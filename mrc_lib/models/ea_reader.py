@@ -244,10 +244,9 @@ class EAReader(nn.Module):
         present = occurs.any(dim=-1)
         if self.answer == "final_state" and self.normalize == "vocabulary":
             # Eq. 11: p = softmax(W_a x) over the vocabulary, W_a x = E P x; padding is no word
-            logits = (self.P(x) @ self.embed.weight.T).float()  # [B, V]
-            log_p = logits.index_fill(1, torch.tensor([0], device=x.device), float("-inf"))
-            log_p = log_p.log_softmax(-1).gather(1, batch["cand_words"])
-            log_p = restrict(log_p, present)
+            log_p = (self.P(x) @ self.embed.weight[1:].T).float().log_softmax(-1)  # [B, V-1]
+            # word w is column w - 1; a padding candidate (word 0) is not present: restricted
+            log_p = restrict(log_p.gather(1, (batch["cand_words"] - 1).clamp(min=0)), present)
         else:
             if self.answer == "final_state":
                 E_c = self.embed(batch["cand_words"])  # [B, C, k], rows of E
