@@ -18,8 +18,9 @@ of SQuAD's (:mod:`mrc_lib.bench`):
 * peak memory (CUDA allocator; the process's peak RSS on CPU).
 
 A reader that fails is reported with its error and the others still run. The result goes to
-``benchmarks/results/gpu_<device>.json`` (or ``--out``). ``--tiny`` uses the smoke profile's
-shrunk readers, batches of 2 and one timed step: it checks the script, not the speed.
+``benchmarks/results/gpu_<device>.json`` (or ``--out``), rewritten after each reader.
+``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
+the script, not the speed.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ def main(argv=None) -> dict:
     seq_lens = [16] if args.tiny else [int(s) for s in args.seq_len.split(",")]
     steps = 1 if args.tiny else args.steps
     dev = resolve_device(args.device)
-    results = {"device": device_name(dev), "torch": torch.__version__,
+    device = device_name(dev)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpu_{slug(device)}.json")
+    results = {"device": device, "torch": torch.__version__,
                "cuda": torch.version.cuda, "compile": args.compile, "tiny": args.tiny,
                "seq_lens": seq_lens, "steps": steps, "models": {}}
     for name in args.models.split(",") if args.models else readers():
@@ -146,8 +149,7 @@ def main(argv=None) -> dict:
         print(name, results["models"][name].get("epoch_seconds",
                                                 results["models"][name].get("error")),
               flush=True)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpu_{slug(results['device'])}.json")
-    atomic_write_json(out, results)
+        atomic_write_json(out, results)  # after each reader: a command cut short keeps them
     print(out)
     return results
 

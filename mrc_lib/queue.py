@@ -2,7 +2,7 @@
 
     python -m mrc_lib queue [--out DIR]                      # done / partial / missing
     python -m mrc_lib queue prepare                          # the data, into the cache
-    python -m mrc_lib queue run --minutes M --out DIR [--parallel N]
+    python -m mrc_lib queue run --minutes M --out DIR [--parallel N] [--only GLOB] [--inbox DEST]
     python -m mrc_lib queue pack --out DIR --to DEST [--bundle K]   # DIR -> bundle K
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
@@ -18,13 +18,17 @@ cleanly at that deadline (checked between steps), and the same command on the sa
 resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
 log, ``status.json``) and ``records/<chapter>/<run>.json`` for finished runs. Every entry's
 data follows from its config (multi-passage SQuAD and Wiki-cloze subsets are data options), so
-every run the book needs is a packed run.
+every run the book needs is a packed run. ``--only`` keeps the runs whose ``<chapter>/<run>``
+matches a pattern (a command runs only the runs whose data it carries); ``--inbox`` unpacks
+the bundles in ``DEST`` first when ``DIR`` does not exist yet, i.e. on a machine that starts
+bare, so a command resumes whether or not the machine kept the last one's folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import hashlib
 import io
 import json
@@ -150,6 +154,17 @@ def load_queue(path: str | Path = QUEUE_FILE) -> list[Job]:
     if dupes := sorted({n for n in names if names.count(n) > 1}):
         raise UserError(f"{path}: run names used twice: {', '.join(dupes)}")
     return jobs
+
+
+def select(jobs: list[Job], patterns: list[str] | None) -> list[Job]:
+    """The jobs whose ``<chapter>/<run>`` matches one of the shell ``patterns`` (all jobs
+    without patterns); a pattern that matches no job is an error, as a typo would be."""
+    if not patterns:
+        return jobs
+    if unmatched := [p for p in patterns if not any(fnmatch.fnmatchcase(j.key, p)
+                                                    for j in jobs)]:
+        raise UserError(f"--only {' '.join(unmatched)}: no run of the queue matches")
+    return [j for j in jobs if any(fnmatch.fnmatchcase(j.key, p) for p in patterns)]
 
 
 # --- where each job stands ---------------------------------------------------------------------
@@ -392,6 +407,23 @@ def unpack(sources: list[Path], out: Path) -> tuple[list[str], list[str]]:
     return names, left_out
 
 
+def restore(out: Path, inbox: Path, log=print) -> bool:
+    """On a machine that starts bare (no ``out``), unpack the bundles found under ``inbox``
+    into ``out``; return whether it did. An ``out`` the machine kept is newer than any bundle
+    carried to it, and is left alone."""
+    if out.exists():
+        log(f"{out} is here from the last command; {inbox} is not needed")
+        return False
+    bundles = sorted({p.parent for p in inbox.rglob("queue.json")}) if inbox.is_dir() else []
+    if not bundles:
+        log(f"{out} starts empty: no bundles under {inbox}")
+        return False
+    names, left_out = unpack(bundles, out)
+    log(f"{len(names)} files from {len(bundles)} bundle(s) under {inbox} into {out}"
+        + (f"; left out, a bundle missing: {', '.join(left_out)}" if left_out else ""))
+    return True
+
+
 def import_records(out: Path) -> list[Path]:
     """Copy ``out/records/<chapter>/<run>.json`` into ``book/runs`` (each one checked)."""
     copied = []
@@ -484,7 +516,7 @@ def queue_cli(args) -> None:
     if action == "import":
         print("\n".join(map(str, import_records(out))))
         return
-    jobs = load_queue(args.file)
+    jobs = select(load_queue(args.file), args.only)
     if action == "prepare":
         prepare(jobs, args.profile)
         return
@@ -504,6 +536,8 @@ def queue_cli(args) -> None:
     else:
         if args.parallel < 1:
             raise UserError("--parallel must be at least 1")
+        if args.inbox:
+            restore(out, Path(args.inbox))
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
                                                          // args.parallel)))
         codes = run_queue(jobs, out, args.minutes, args.parallel, args.reserve, args.profile,
@@ -523,6 +557,10 @@ def add_parser(sub) -> None:
                    "the smoke run folder (default runs)")
     s.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of `run`")
     s.add_argument("--parallel", type=int, default=1, help="concurrent worker processes")
+    s.add_argument("--only", action="append", metavar="GLOB",
+                   help="only the runs whose <chapter>/<run> matches (repeatable)")
+    s.add_argument("--inbox", default=None, metavar="DEST",
+                   help="run: unpack the bundles under DEST first when --out does not exist")
     s.add_argument("--reserve", type=float, default=60.0,
                    help="seconds before the end at which trainers checkpoint and stop")
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)

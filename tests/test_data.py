@@ -1,6 +1,7 @@
 """Tokenization, span alignment, vocabulary, the prepared cache and batching."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,6 +75,26 @@ def test_prepare_builds_then_reuses(mirror, tmp_path):
     d["data"][0]["paragraphs"][0]["qas"].pop()
     dev.write_text(json.dumps(d))
     assert prepare()["cache"] != first["cache"]
+
+
+def test_a_travel_copy_without_the_training_texts_trains_and_evaluates(mirror, tmp_path,
+                                                                        monkeypatch):
+    import shutil
+
+    folder = Path(prepare()["cache"])
+    travel = tmp_path / "travel" / "prepared" / folder.name
+    shutil.copytree(folder, travel, ignore=shutil.ignore_patterns("train.json.gz", "*.lock"))
+    monkeypatch.setenv("MRC_DATA_DIR", str(tmp_path / "no_raw_files"))
+    monkeypatch.setenv("MRC_CACHE_DIR", str(tmp_path / "travel"))
+    data = load_prepared()
+    assert data.folder == travel
+    train, dev = data.splits["train"], data.splits["dev"]
+    batch = train.collate(np.arange(len(train)))
+    assert batch["y1"].ge(0).all()
+    assert dev.squad_json()["version"] == "1.1" and dev.question(0)
+    with pytest.raises(UserError, match="train.json.gz: missing;") as e:
+        train.question(0)
+    assert str(travel) in str(e.value) and "\n" not in str(e.value)
 
 
 def test_failed_build_leaves_nothing(mirror, tmp_path, monkeypatch):

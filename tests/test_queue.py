@@ -147,6 +147,30 @@ def test_pack_and_unpack_in_pieces(tmp_path, monkeypatch):
     assert str(piece) in str(e.value)
 
 
+def test_a_bare_machine_restores_the_inbox_and_a_kept_folder_wins(tmp_path):
+    _runner_folder(tmp_path / "last")
+    queue.pack(tmp_path / "last", tmp_path / "inbox" / "1")
+    out, lines = tmp_path / "q", []
+    assert not queue.restore(out, tmp_path / "nothing", log=lines.append)  # the first command
+    assert "starts empty" in lines[-1] and not out.exists()
+    assert queue.restore(out, tmp_path / "inbox", log=lines.append)  # a machine started bare
+    assert (out / "ch" / "b" / "checkpoint.pt.abc.000").exists()
+    assert "from 1 bundle(s)" in lines[-1]
+    (out / "records" / "ch" / "newer.json").write_text("{}")
+    assert not queue.restore(out, tmp_path / "inbox", log=lines.append)  # the machine kept it
+    assert (out / "records" / "ch" / "newer.json").exists()
+
+
+def test_only_selects_runs_by_pattern_and_refuses_a_pattern_matching_none(tiny_queue, capsys):
+    jobs = queue.load_queue(tiny_queue)
+    assert queue.select(jobs, None) == jobs
+    assert [j.key for j in queue.select(jobs, ["tq/*seed1"])] == ["tq/bidaf_seed1"]
+    with pytest.raises(UserError, match=r"--only nope/\*: no run"):
+        queue.select(jobs, ["tq/*", "nope/*"])
+    assert main(["queue", "--file", tiny_queue, "--only", "tq/*seed0"]) == 0
+    assert "0 done, 0 partial, 1 missing" in capsys.readouterr().out
+
+
 def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
     """PhaseCond's checkpoint (113 MiB) is larger than what one command may carry or bring
     back: its pieces fill several bundles, each written by its own ``pack --bundle K``."""

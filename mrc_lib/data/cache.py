@@ -2,7 +2,8 @@
 
 A prepared dataset is a folder ``<cache>/prepared/<dataset>-<key>/`` holding ``meta.json``,
 the vocabulary (``vocab.json``, ``vectors.npy``), the form table (``forms.npz``) and, per
-split, ``<split>.npz`` (arrays) and ``<split>.json.gz`` (texts for answers and evaluation).
+split, ``<split>.npz`` (arrays) and ``<split>.json.gz`` (texts for answers and evaluation, read
+on first use: training needs none, so a copy for a GPU machine may leave ``train.json.gz`` out).
 ``key`` hashes the digests of the input files and the preprocessing config, so a changed file
 or option builds a new folder. The folder is written under a temporary name and renamed in one
 step: a crash never leaves a half-written cache behind.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mrc_lib.data.dataset import Split, encode, index_forms
+from mrc_lib.data.dataset import Split, Texts, encode, index_forms
 from mrc_lib.data.glove import load_glove
 from mrc_lib.data.sources import cache_root, glove_member, resolve
 from mrc_lib.data.squad import read_squad
@@ -194,10 +195,9 @@ def load_prepared(dataset: str = "squad-v1.1", splits=("train", "dev"), *,
     for s in splits:
         with np.load(folder / f"{s}.npz") as f:
             arrays = {k: f[k] for k in f.files}
-        with gzip.open(folder / f"{s}.json.gz", "rt", encoding="utf-8") as f:
-            text = json.load(f)
         train = s == "train"
-        split = Split(s, arrays, text, forms, question_limit=question_limit,
+        split = Split(s, arrays, Texts(folder / f"{s}.json.gz"), forms,
+                      question_limit=question_limit,
                       context_limit=None if train else dev_context_limit)
         if train and context_limit:
             split = split.subset(np.flatnonzero(split.context_lengths() <= context_limit))

@@ -24,7 +24,10 @@ c_pos ...      [B, Lc]       POS / NER tag ids, only when a tagging pipeline was
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import gzip
+import json
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,6 +35,7 @@ import torch
 from mrc_lib.data.squad import SquadFile
 from mrc_lib.data.text import Tokenizer, Tokens, char_to_token_span, question_type
 from mrc_lib.data.vocab import PAD, Forms, Vocab
+from mrc_lib.errors import UserError
 
 BUCKET_CHUNK = 100  # batches per sorting chunk: enough to bucket by length, still random
 
@@ -123,19 +127,52 @@ def encode(sq: SquadFile, ctx: list[Tokens], qs: list[Tokens], form_index: dict[
     return a, text
 
 
+class Texts(Mapping):
+    """A saved split's texts (``<split>.json.gz``: version, questions, contexts, answers), read
+    on first use. Training reads none of them, so the copy of a cache carried to a GPU machine
+    may leave the training split's out (``book/how_to_reproduce.md``); what needs them then
+    names the missing file."""
+
+    def __init__(self, path: Path):
+        self.path, self._texts = Path(path), None
+
+    def _load(self) -> dict:
+        if self._texts is None:
+            try:
+                with gzip.open(self.path, "rt", encoding="utf-8") as f:
+                    self._texts = json.load(f)
+            except FileNotFoundError:
+                raise UserError(f"{self.path}: missing; this copy of the cache has the split's "
+                                "arrays but not its texts, which this step needs") from None
+        return self._texts
+
+    def __getitem__(self, key: str):
+        return self._load()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
 class Split:
-    """One encoded split: the arrays of :func:`encode`, its text, and the form table."""
+    """One encoded split: the arrays of :func:`encode`, its text (a dict, or :class:`Texts`
+    read on first use), and the form table."""
 
     def __init__(self, name: str, arrays: dict, text: dict, forms: Forms, *,
                  index: np.ndarray | None = None, context_limit: int | None = None,
                  question_limit: int | None = None):
         self.name, self.a, self.text, self.forms = name, arrays, text, forms
-        self.version = text["version"]
         self.starts, self.ends = unpack_offsets(arrays["ctx_ptr"], arrays["ctx_gap"],
                                                 arrays["ctx_len"])
         self.context_limit, self.question_limit = context_limit, question_limit
         self._em_ptr = np.concatenate([[0], np.cumsum(self._ctx_len(arrays["ex_ctx"]))])
         self.index = np.arange(len(arrays["ex_ctx"])) if index is None else index
+
+    @property
+    def version(self) -> str:
+        return self.text["version"]
 
     def _ctx_len(self, cid):
         return self.a["ctx_ptr"][cid + 1] - self.a["ctx_ptr"][cid]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from mrc_lib.data.cache import PreparedData, load_prepared
-from mrc_lib.data.dataset import Split, encode
+from mrc_lib.data.dataset import Split, Texts, encode
 from mrc_lib.data.sources import cache_root
 from mrc_lib.data.squad import Answer, Example, SquadFile
 from mrc_lib.data.text import Tokens
@@ -255,9 +255,7 @@ def _cached_split(data: PreparedData, split: str, m: int | None, token_cap: int,
     if arrays_path.is_file() and text_path.is_file():
         with np.load(arrays_path) as f:
             arrays = {k: f[k] for k in f.files}
-        with gzip.open(text_path, "rt", encoding="utf-8") as f:
-            text = json.load(f)
-        return MultiPassageSplit(split, arrays, text, source.forms,
+        return MultiPassageSplit(split, arrays, Texts(text_path), source.forms,
                                  question_limit=source.question_limit)
     built = build_split(source, data.vocab, m, token_cap, name=split)
     folder.mkdir(parents=True, exist_ok=True)

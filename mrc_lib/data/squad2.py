@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mrc_lib.data.dataset import Split, encode_squad
+from mrc_lib.data.dataset import Split, Texts, encode_squad
 from mrc_lib.data.sources import cache_root, resolve
 from mrc_lib.data.squad import Example, SquadFile, read_squad
 from mrc_lib.data.text import Tokenizer
@@ -231,7 +231,7 @@ def _save(folder: Path, name: str, split: Split) -> None:
                             strings=np.array(split.forms.strings, dtype=object))
     with atomic_path(folder / f"{name}.json.gz") as tmp:
         with gzip.open(tmp, "wt", encoding="utf-8") as f:
-            json.dump(split.text, f, ensure_ascii=False)
+            json.dump(dict(split.text), f, ensure_ascii=False)
 
 
 def _load(folder: Path, name: str, **limits) -> Split:
@@ -239,9 +239,7 @@ def _load(folder: Path, name: str, **limits) -> Split:
         arrays = {k: f[k] for k in f.files}
     with np.load(folder / f"{name}.forms.npz", allow_pickle=True) as f:
         forms = Forms(list(f["strings"]), f["word"], f["chars"])
-    with gzip.open(folder / f"{name}.json.gz", "rt", encoding="utf-8") as f:
-        text = json.load(f)
-    return Split(name, arrays, text, forms, **limits)
+    return Split(name, arrays, Texts(folder / f"{name}.json.gz"), forms, **limits)
 
 
 def load_squad2(*, limits: dict[str, int] | None = None, context_limit: int | None = 400,
