@@ -166,9 +166,9 @@ class Choice(Task):
         can choose (a CBT answer may be missing from its document)."""
         log_p = out["candidate_log_probs"].float().gather(1, batch["answer"].unsqueeze(1))
         reachable = log_p.isfinite()
-        if not reachable.any():  # nothing to learn from: a zero that keeps the graph
-            return log_p.masked_fill(~reachable, 0.0).sum()
-        return -log_p[reachable].mean()
+        # The mean over the reachable rows, without asking the device whether there are any:
+        # none gives a zero that keeps the graph.
+        return -log_p.masked_fill(~reachable, 0.0).sum() / reachable.sum().clamp(min=1)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split, cfg: TrainConfig,
