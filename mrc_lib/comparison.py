@@ -19,7 +19,7 @@ from pathlib import Path
 from statistics import mean
 
 from mrc_lib.models import hparam_defaults
-from mrc_lib.records import BOOK_RUNS
+from mrc_lib.records import BOOK_RUNS, finished
 
 REPRODUCED, NOT_REPRODUCED, NOT_MEASURED = "reproduced", "not reproduced", "not yet measured"
 
@@ -90,7 +90,7 @@ class Side:
         hparams = {**hparam_defaults(self.model), **config.get("hparams", {})}
         return (config.get("dataset") == self.dataset and config.get("profile") == "full"
                 and dict(config.get("data_options") or {}) == self.data_options
-                and record.get("complete", True)
+                and finished(record)
                 and all(hparams.get(k) == v for k, v in self.hparams.items()))
 
 

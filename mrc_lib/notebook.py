@@ -117,7 +117,7 @@ class Run:
         from mrc_lib import records
 
         self.runs[name] = {**source, "profile": found["config"]["profile"],
-                           "complete": found.get("complete", True),
+                           "complete": records.finished(found),
                            "provenance": records.provenance(found)}
 
     def save(self) -> Path:

@@ -16,7 +16,9 @@ a priority) as ``N`` concurrent worker processes on one device, starting the nex
 until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoints and stops
 cleanly at that deadline (checked between steps), and the same command on the same ``DIR``
 resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
-log, ``status.json``) and ``records/<chapter>/<run>.json`` for finished runs. Every entry's
+log, ``status.json``) and ``records/<chapter>/<run>.json``, the record of each run as it last
+stopped (``complete`` says whether it finished: a partial record keeps the dev scores of the
+epochs a GPU ran even when the checkpoint cannot travel on). Every entry's
 data follows from its config (multi-passage SQuAD and Wiki-cloze subsets are data options), so
 every run the book needs is a packed run. ``--only`` keeps the runs whose ``<chapter>/<run>``
 matches a pattern (a command runs only the runs whose data it carries); ``--inbox`` unpacks
@@ -170,16 +172,19 @@ def select(jobs: list[Job], patterns: list[str] | None) -> list[Job]:
 # --- where each job stands ---------------------------------------------------------------------
 
 
-def record_of(job: Job, out: Path | None = None, profile: str = "full") -> dict | None:
-    """The job's record of the same config: in ``book/runs`` or in ``out/records``."""
-    config = job.config(profile).to_dict()
+def record_of(job: Job, out: Path | None = None, profile: str = "full",
+              complete: bool = True) -> dict | None:
+    """The job's record of the same config, in ``book/runs`` or in ``out/records``: a finished
+    run's (``complete``), else the most advanced partial one."""
+    config_hash = records.config_hash(job.config(profile).to_dict())
+    found = []
     for root in (records.BOOK_RUNS, *([out / "records"] if out else [])):
         path = records.record_path(job.entry.chapter, job.name, root)
         if path.exists():
             record = records.read_record(path)
-            if record["config_hash"] == records.config_hash(config):
-                return record
-    return None
+            if record["config_hash"] == config_hash and records.finished(record) == complete:
+                found.append(record)
+    return max(found, key=lambda r: r["steps"], default=None)
 
 
 def progress_of(job: Job, out: Path | None) -> dict | None:
@@ -194,13 +199,19 @@ def progress_of(job: Job, out: Path | None) -> dict | None:
 
 
 def state_of(job: Job, out: Path | None, profile: str = "full") -> tuple[str, float]:
-    """``(done | partial | missing, fraction done)``."""
+    """``(done | partial | missing, fraction done)``: partial when the runner folder holds the
+    run's checkpoint (it resumes) or a partial record says how far a GPU took it (it restarts:
+    the checkpoint stayed on that machine)."""
     if record_of(job, out, profile) is not None:
         return "done", 1.0
     status = progress_of(job, out)
-    if status is None:
+    if status is not None:
+        return "partial", min(status["fraction"], 0.99)
+    record = record_of(job, out, profile, complete=False)
+    if record is None:
         return "missing", 0.0
-    return "partial", min(status["fraction"], 0.99)
+    return "partial", min(progress(record["steps"], record["epochs_run"], job.config(profile)),
+                          0.99)
 
 
 def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full") -> str:
@@ -238,18 +249,21 @@ def work(job: Job, out: Path, deadline: float | None, profile: str = "full") -> 
     folder = out / job.entry.chapter / job.name
     metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(),
                     data=load_data(cfg), deadline=deadline)
-    total = cfg.max_steps or None
-    fraction = (metrics["steps"] / total if total else
-                metrics["epochs_run"] / cfg.epochs) if not metrics["complete"] else 1.0
+    fraction = 1.0 if metrics["complete"] else progress(metrics["steps"],
+                                                         metrics["epochs_run"], cfg)
     atomic_write_json(folder / "status.json", {"complete": metrics["complete"],
                                                "steps": metrics["steps"],
                                                "epochs_run": metrics["epochs_run"],
                                                "fraction": fraction})
-    if metrics["complete"]:
-        records.write_record(records.record_path(job.entry.chapter, job.name, out / "records"),
-                             records.make_record(metrics, chapter=job.entry.chapter,
-                                                 run=job.name, log_path=folder / "log.jsonl"))
+    records.write_record(records.record_path(job.entry.chapter, job.name, out / "records"),
+                         records.make_record(metrics, chapter=job.entry.chapter, run=job.name,
+                                             log_path=folder / "log.jsonl"))
     return metrics
+
+
+def progress(steps: int, epochs_run: int, cfg) -> float:
+    """The fraction of its schedule a run has done: of ``max_steps``, else of its epochs."""
+    return steps / cfg.max_steps if cfg.max_steps else epochs_run / cfg.epochs
 
 
 def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
@@ -425,11 +439,15 @@ def restore(out: Path, inbox: Path, log=print) -> bool:
 
 
 def import_records(out: Path) -> list[Path]:
-    """Copy ``out/records/<chapter>/<run>.json`` into ``book/runs`` (each one checked)."""
+    """Copy ``out/records/<chapter>/<run>.json`` into ``book/runs`` (each one checked); a
+    partial record never replaces a finished one."""
     copied = []
     for path in sorted((out / "records").rglob("*.json")):
         record = records.read_record(path)
         dest = records.record_path(record["chapter"], record["run"])
+        if (not records.finished(record) and dest.exists()
+                and records.finished(records.read_record(dest))):
+            continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, dest)
         copied.append(dest)

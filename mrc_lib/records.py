@@ -1,4 +1,4 @@
-"""Run records: what a finished training run measured, small enough to commit.
+"""Run records: what a training run measured, small enough to commit.
 
 A record is one JSON file, ``book/runs/<chapter>/<run>.json`` for a full-profile run (committed)
 and ``<run folder>/record.json`` for any other profile (under ``runs/``, not committed, so that
@@ -8,7 +8,9 @@ digests, the resolved config and the reader's ``analysis`` payload) plus the cha
 name, the training-loss curve (at most :data:`CURVE_POINTS` points of ``log.jsonl``), the run's
 config hash, the training examples per second and the wall time (training plus evaluation
 seconds, summed over every session that resumed it); predictions are never in it. It is
-written atomically and must stay under :data:`MAX_BYTES`.
+written atomically and must stay under :data:`MAX_BYTES`. A run stopped before the end of its
+schedule (a GPU session's deadline) has a partial record, ``complete: false``: it counts as
+progress, never as a result (:func:`finished`).
 
 At the full profile a notebook's ``run.train(name, cfg, data)`` returns the record of ``name``
 instead of training when its config hash and data digests equal the new run's
@@ -62,8 +64,8 @@ def loss_curve(log_path: Path) -> list[list[float]]:
 
 
 def make_record(metrics: dict, *, chapter: str, run: str, log_path: Path | None = None) -> dict:
-    """The record of a finished run from the metrics :func:`mrc_lib.train.train` returned
-    (and the loss curve of its ``log_path``)."""
+    """The record of a run from the metrics :func:`mrc_lib.train.train` returned (and the
+    loss curve of its ``log_path``)."""
     config = metrics["config"]
     train_seconds = sum(metrics["seconds_per_epoch"])
     wall = train_seconds + sum(h.get("eval_seconds", 0.0) for h in metrics["history"])
@@ -100,15 +102,21 @@ def read_record(path: str | Path) -> dict:
     return record
 
 
+def finished(record: dict) -> bool:
+    """Whether the record's run finished its schedule (a partial record says ``complete:
+    false``: a GPU session ended first)."""
+    return record.get("complete", True)
+
+
 def lookup(path: str | Path, config: dict, digests: dict) -> dict | None:
-    """The record at ``path`` if it is of the same config (hash) and data (digests), else
-    ``None`` (no record, or a stale one: the caller trains)."""
+    """The record at ``path`` if it is of a finished run of the same config (hash) and data
+    (digests), else ``None`` (no record, a partial or a stale one: the caller trains)."""
     path = Path(path)
     if not path.exists():
         return None
     record = read_record(path)
     same = record["config_hash"] == config_hash(config) and record["data_digests"] == digests
-    return record if same else None
+    return record if same and finished(record) else None
 
 
 def provenance(record: dict) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mrc_lib import queue
+from mrc_lib import queue, records
 from mrc_lib.cli import main
 from mrc_lib.errors import UserError
 
@@ -79,6 +79,17 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     gpu = tmp_path / "gpu"
     cut = queue.work(seed0, gpu, 0.0, "smoke")  # the deadline has passed: one step, then stop
     assert not cut["complete"] and cut["steps"] == 1
+    # Its partial record keeps how far it got, for a checkout that never sees its checkpoint.
+    partial = json.loads((gpu / "records" / "tq" / "bidaf_seed0.json").read_text())
+    assert partial["complete"] is False and partial["steps"] == 1
+    assert queue.record_of(seed0, gpu, "smoke") is None
+    assert queue.record_of(seed0, gpu, "smoke", complete=False)["steps"] == 1
+    assert records.lookup(gpu / "records" / "tq" / "bidaf_seed0.json", partial["config"],
+                          partial["data_digests"]) is None  # a notebook trains instead
+    book = tmp_path / "book" / "runs"
+    monkeypatch.setattr(records, "BOOK_RUNS", book)
+    assert queue.import_records(gpu) == [book / "tq" / "bidaf_seed0.json"]
+    assert queue.state_of(seed0, None, "smoke") == ("partial", 0.0)  # epoch 0 of 2
     # The partial run moves to another machine in several bundles, as a PhaseCond run would.
     monkeypatch.setattr(queue, "PIECE_BYTES", 20_000)
     n_bundles = queue.pack(gpu, tmp_path / "b1", budget=40_000)[1]
@@ -106,6 +117,12 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
 
     assert main(["queue", "--file", tiny_queue, "--out", str(out), "--profile", "smoke"]) == 0
     assert "2 done, 0 partial, 0 missing;" in capsys.readouterr().out
+    # Importing the finished records replaces the partial one; a partial one never replaces
+    # a finished one.
+    queue.import_records(out)
+    assert records.read_record(book / "tq" / "bidaf_seed0.json")["complete"]
+    assert book / "tq" / "bidaf_seed0.json" not in queue.import_records(gpu)
+    assert records.read_record(book / "tq" / "bidaf_seed0.json")["complete"]
 
 
 def _runner_folder(out: Path) -> tuple[Path, Path]:
@@ -215,7 +232,6 @@ def test_queue_configs_hash_like_the_chapter_01_notebook_builds_them():
 
 
 def test_cli_pack_unpack_import(tmp_path, monkeypatch, capsys):
-    from mrc_lib import records
 
     monkeypatch.setattr(records, "BOOK_RUNS", tmp_path / "book" / "runs")
     out = tmp_path / "q"
@@ -256,7 +272,6 @@ def test_prepare_loads_each_distinct_data_once_and_leaves_multi_passage_to_the_g
 
 
 def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tiny_queue, capsys):
-    from mrc_lib import records
 
     jobs = queue.load_queue(tiny_queue)
     runs = tmp_path / "runs"
@@ -286,7 +301,6 @@ def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tin
 def test_full_profile_records_are_committed_not_ignored():
     import subprocess
 
-    from mrc_lib import records
 
     path = records.record_path("01_bidaf_qanet", "bidaf").relative_to(records.ROOT)
     ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=records.ROOT)
