@@ -48,5 +48,6 @@ test: install chromium lint book     ## unit, integration, notebook (nbval) and 
 	OMP_NUM_THREADS=1 MRC_REQUIRE_BROWSER=1 $(VENV)/bin/pytest -n 2 --dist loadfile \
 	  --nbval-lax tests notebooks
 
-clean:
-	rm -rf _build runs .pytest_cache
+clean:                               ## build outputs and run folders (not the committed runs/inbox)
+	rm -rf _build .pytest_cache
+	find runs -mindepth 1 -maxdepth 1 ! -name inbox -exec rm -rf {} + 2>/dev/null || true

@@ -11,9 +11,9 @@
 The file lists, per chapter, every run the full book needs (its header documents the keys);
 :func:`load_queue` checks it and reports a bad entry in one line naming the file and entry.
 
-``queue run`` trains the highest-priority runs that have no record (partial runs first within
-a priority) as ``N`` concurrent worker processes on one device, starting the next as one ends,
-until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoints and stops
+``queue run`` trains the highest-priority runs without a finished record (partial runs first,
+within a priority) as ``N`` concurrent worker processes on one device, starting the next as one
+ends, until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoints and stops
 cleanly at that deadline (checked between steps), and the same command on the same ``DIR``
 resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
 log, ``status.json``) and ``records/<chapter>/<run>.json``, the record of each run as it last

@@ -298,13 +298,16 @@ def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tin
     assert "1 chapter run(s) build another config" in printed.err
 
 
-def test_full_profile_records_are_committed_not_ignored():
+def test_records_and_the_inbox_are_committed_run_folders_are_not():
     import subprocess
 
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "-q", path], cwd=records.ROOT).returncode == 0
 
     path = records.record_path("01_bidaf_qanet", "bidaf").relative_to(records.ROOT)
-    ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=records.ROOT)
-    assert ignored.returncode == 1, f"{path} is ignored by git: records would never land"
+    assert not ignored(str(path)), f"{path} is ignored by git: records would never land"
+    assert not ignored("runs/inbox/1/queue.json"), "the carry-over would never land"
+    assert ignored("runs/queue/records/ch/r.json") and ignored("runs/01_bidaf_qanet/smoke/x")
 
 
 def test_smoke_overrides_apply_at_the_smoke_profile_only(tmp_path):
