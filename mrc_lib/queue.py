@@ -3,6 +3,7 @@
     python -m mrc_lib queue [--out DIR]                      # done / partial / missing
     python -m mrc_lib queue prepare                          # the data, into the cache
     python -m mrc_lib queue run --minutes M --out DIR [--parallel N] [--only GLOB] [--inbox DEST]
+                                [--set compile=true]
     python -m mrc_lib queue pack --out DIR --to DEST [--bundle K]   # DIR -> bundle K
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
@@ -87,14 +88,28 @@ class Job:
     def key(self) -> str:
         return f"{self.entry.chapter}/{self.name}"
 
-    def config(self, profile: str = "full"):
-        """The run's config at ``profile`` (the entry's ``smoke_overrides`` too at smoke)."""
+    def config(self, profile: str = "full", settings: tuple[str, ...] = ()):
+        """The run's config at ``profile`` (the entry's ``smoke_overrides`` too at smoke), with
+        ``settings`` (``KEY=VALUE`` of keys that leave the config hash alone, see
+        :func:`check_settings`)."""
         from mrc_lib.config import resolve_config
 
         e = self.entry
         smoke = e.smoke_overrides if profile == "smoke" else ()
         return resolve_config(e.model, e.dataset, profile,
-                              overrides=[*e.overrides, *smoke, f"seed={self.seed}"])
+                              overrides=[*e.overrides, *smoke, f"seed={self.seed}", *settings])
+
+
+def check_settings(settings: list[str] | None) -> tuple[str, ...]:
+    """``queue run --set KEY=VALUE`` may change only how a run is computed, never what: the keys
+    that the config hash leaves out (:data:`mrc_lib.records.UNHASHED`), so that the chapter
+    still finds the record."""
+    for setting in settings or ():
+        key = setting.partition("=")[0]
+        if key not in records.UNHASHED:
+            raise UserError(f"queue run --set {setting}: only {', '.join(records.UNHASHED)} "
+                            "may differ from the config the chapter builds")
+    return tuple(settings or ())
 
 
 def _entry(path: Path, chapter: str, k: int, item) -> Entry:
@@ -240,12 +255,13 @@ def pending(jobs: list[Job], out: Path, profile: str = "full") -> list[Job]:
     return [j for j, s in sorted(todo, key=lambda js: (js[0].priority, js[1] != "partial"))]
 
 
-def work(job: Job, out: Path, deadline: float | None, profile: str = "full") -> dict:
+def work(job: Job, out: Path, deadline: float | None, profile: str = "full",
+         settings: tuple[str, ...] = ()) -> dict:
     """Train ``job`` in ``out/<chapter>/<run>`` until it ends or ``deadline``; write its
     ``status.json`` and, once it is complete, its record under ``out/records``."""
     from mrc_lib.train import load_data, train
 
-    cfg = job.config(profile)
+    cfg = job.config(profile, settings)
     folder = out / job.entry.chapter / job.name
     metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(),
                     data=load_data(cfg), deadline=deadline)
@@ -268,10 +284,10 @@ def progress(steps: int, epochs_run: int, cfg) -> float:
 
 def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
               reserve: float = 60.0, profile: str = "full", queue_file: Path = QUEUE_FILE,
-              log=print) -> dict[str, int]:
+              settings: tuple[str, ...] = (), log=print) -> dict[str, int]:
     """Run the pending jobs as ``parallel`` worker processes until ``minutes`` minus
-    ``reserve`` seconds from now (the trainers' deadline); return each started job's exit
-    status (0: complete or cleanly stopped)."""
+    ``reserve`` seconds from now (the trainers' deadline), each with ``settings``; return each
+    started job's exit status (0: complete or cleanly stopped)."""
     deadline = time.time() + 60 * minutes - reserve
     todo = pending(jobs, out, profile)
     running: dict[str, tuple[subprocess.Popen, object]] = {}
@@ -287,7 +303,7 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
             running[job.key] = (subprocess.Popen(
                 [sys.executable, "-m", "mrc_lib", "queue", "work", "--out", str(out),
                  "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
-                 "--profile", profile],
+                 "--profile", profile, *(f"--set={s}" for s in settings)],
                 stdout=log_file, stderr=subprocess.STDOUT), log_file)
         if not running:
             break
@@ -550,8 +566,10 @@ def queue_cli(args) -> None:
     if action == "status":
         print(status_table(jobs, out, args.profile))
     elif action == "work":
-        work(find_job(jobs, args.job), out, args.deadline, args.profile)
+        work(find_job(jobs, args.job), out, args.deadline, args.profile,
+             check_settings(args.set))
     else:
+        settings = check_settings(args.set)
         if args.parallel < 1:
             raise UserError("--parallel must be at least 1")
         if args.inbox:
@@ -559,7 +577,7 @@ def queue_cli(args) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
                                                          // args.parallel)))
         codes = run_queue(jobs, out, args.minutes, args.parallel, args.reserve, args.profile,
-                          Path(args.file))
+                          Path(args.file), settings)
         print(status_table(jobs, out, args.profile))
         if any(codes.values()):
             raise UserError(f"{sum(c != 0 for c in codes.values())} worker(s) failed: "
@@ -579,6 +597,9 @@ def add_parser(sub) -> None:
                    help="only the runs whose <chapter>/<run> matches (repeatable)")
     s.add_argument("--inbox", default=None, metavar="DEST",
                    help="run: unpack the bundles under DEST first when --out does not exist")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="run: how every run is computed, e.g. compile=true (only keys outside "
+                   "the config hash)")
     s.add_argument("--reserve", type=float, default=60.0,
                    help="seconds before the end at which trainers checkpoint and stop")
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)

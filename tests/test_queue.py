@@ -102,7 +102,8 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     assert [j.key for j in queue.pending(jobs, out, "smoke")] == [seed0.key, seed1.key]
 
     codes = queue.run_queue(jobs, out, minutes=5, parallel=2, reserve=0, profile="smoke",
-                            queue_file=tiny_queue, log=lambda line: None)
+                            queue_file=tiny_queue, settings=("eval_batch_size=3",),
+                            log=lambda line: None)
     assert codes == {seed0.key: 0, seed1.key: 0}  # both ran, as two processes at once
     done = [json.loads((out / "records" / "tq" / f"bidaf_seed{s}.json").read_text())
             for s in (0, 1)]
@@ -112,6 +113,8 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     for a, b in zip(done[0]["history"], reference["history"], strict=True):
         assert (a["dev"], a["train_loss"]) == (b["dev"], b["train_loss"])
     assert done[1]["config"]["seed"] == 1
+    assert done[1]["config"]["eval_batch_size"] == 3  # --set: how, never what, is computed
+    assert done[1]["config_hash"] == records.config_hash(seed1.config("smoke").to_dict())
     assert [queue.state_of(j, out, "smoke")[0] for j in jobs] == ["done", "done"]
     assert queue.pending(jobs, out, "smoke") == []
 
@@ -176,6 +179,17 @@ def test_a_bare_machine_restores_the_inbox_and_a_kept_folder_wins(tmp_path):
     (out / "records" / "ch" / "newer.json").write_text("{}")
     assert not queue.restore(out, tmp_path / "inbox", log=lines.append)  # the machine kept it
     assert (out / "records" / "ch" / "newer.json").exists()
+
+
+def test_set_may_change_only_keys_outside_the_config_hash(tiny_queue, tmp_path, capsys):
+    assert queue.check_settings(["compile=true", "device=cuda"]) == ("compile=true",
+                                                                      "device=cuda")
+    with pytest.raises(UserError, match=r"--set lr=1: only device, compile"):
+        queue.check_settings(["compile=true", "lr=1"])
+    assert main(["queue", "run", "--file", tiny_queue, "--out", str(tmp_path / "q"),
+                 "--set", "epochs=1"]) == 2
+    assert "queue run --set epochs=1: only" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
 
 
 def test_only_selects_runs_by_pattern_and_refuses_a_pattern_matching_none(tiny_queue, capsys):
