@@ -43,12 +43,13 @@ def test_unknown_source_is_a_user_error(capsys):
     assert "no-such-dataset" in capsys.readouterr().err
 
 
-def load_bringup():
+def load_bringup(name: str = "gpu_bringup"):
+    """A script of ``benchmarks/`` as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_bringup.py"
-    spec = importlib.util.spec_from_file_location("gpu_bringup", path)
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     bringup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bringup)
     return bringup
@@ -66,6 +67,16 @@ def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
         speed = m["speed"]["16"]
         assert speed["train_examples_per_s"] > 0 and speed["infer_examples_per_s"] > 0
         assert m["epoch_seconds"] == speed["epoch_seconds"] > 0 and m["peak_memory_bytes"] > 0
+
+
+def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
+    op_counts = load_bringup("op_counts")
+    out = tmp_path / "ops.json"
+    result = op_counts.main(["--tiny", "--models", "bidaf,qanet,rnet", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    models = result["models"]
+    assert all(m["ops"] > 0 and m["views"] > 0 and m["top"] for m in models.values())
+    assert [m["gru_steps_on_cpu"] for m in models.values()] == [False, False, True]
 
 
 def cpu_has_bf16_rnn() -> bool:

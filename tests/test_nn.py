@@ -408,6 +408,31 @@ def test_rnn_padded_batch_equals_each_sequence_alone(cell, concat_layers):
     torch.testing.assert_close(rnn.final_states(x, mask), final)
 
 
+@pytest.mark.parametrize("cell", ["lstm", "gru"])
+def test_rnn_gradients_equal_each_sequence_alone_and_skip_padding(cell):
+    """The rotated copy that the backward direction reads is exact in the backward pass too:
+    the batch's gradients are the sum of each sequence's alone, and padding gets none."""
+    torch.manual_seed(0)
+    h, lengths = 3, [5, 2, 4]
+    rnn = RNN(4, h, num_layers=2, cell=cell).eval()
+    mask = lengths_mask(lengths, L=6)
+    x = torch.randn(3, 6, 4, requires_grad=True)
+    w, v = torch.randn(3, 6, 2 * h), torch.randn(3, 2 * h)
+    out, final = rnn.encode(x, mask)
+    ((out * w).sum() + (final * v).sum()).backward()
+    batch = {name: p.grad.clone() for name, p in rnn.named_parameters()}
+    assert (x.grad[~mask] == 0).all()
+    rnn.zero_grad()
+    for b, n in enumerate(lengths):
+        alone = x[b : b + 1, :n].detach().requires_grad_()
+        top = unpacked_reference(rnn, alone)[-1][0]
+        last = torch.cat([top[n - 1, :h], top[0, h:]])
+        ((top * w[b, :n]).sum() + (last * v[b]).sum()).backward()
+        torch.testing.assert_close(x.grad[b, :n], alone.grad[0])
+    for name, p in rnn.named_parameters():
+        torch.testing.assert_close(batch[name], p.grad, msg=name)
+
+
 def test_rnn_unidirectional_and_empty_sequence():
     rnn = RNN(4, 3, bidirectional=False, cell="gru").eval()
     mask = lengths_mask([3, 0], L=3)

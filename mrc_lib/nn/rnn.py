@@ -2,7 +2,6 @@
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from mrc_lib.errors import UserError
 
@@ -31,8 +30,8 @@ class RNN(nn.Module):
 
     Each layer is its own single-layer ``nn.LSTM``/``nn.GRU``, so that locked dropout can act
     on the input of every layer and the layer outputs can be concatenated (``concat_layers``,
-    as in DrQA). Sequences are packed by their lengths, so padding never reaches the backward
-    direction; outputs at padding positions are exactly 0.
+    as in DrQA). Padding never reaches a real position, and outputs at padding positions are
+    exactly 0 (see :meth:`encode`).
     """
 
     def __init__(
@@ -49,6 +48,7 @@ class RNN(nn.Module):
         if cell not in CELLS:
             raise UserError(f"unknown RNN cell {cell!r}; choose one of {', '.join(CELLS)}")
         directions = 2 if bidirectional else 1
+        self.hidden_size, self.bidirectional = hidden_size, bidirectional
         self.concat_layers = concat_layers
         self.dropout = LockedDropout(dropout)
         self.layers = nn.ModuleList(
@@ -72,24 +72,37 @@ class RNN(nn.Module):
     def encode(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Outputs (as :meth:`forward`) and final states (as :meth:`final_states`) in one pass.
 
-        For the backward direction the final state is the one after reading the first token.
-        A sequence without any real token gets zero outputs and zero final states.
+        The forward direction reads each sequence from its first token, so its padding comes
+        after every real token. The backward direction reads a copy of the batch in which each
+        sequence of ``n`` tokens is rotated by ``n`` (``z_t = x_(t+n) mod L``), so that it ends
+        at the last position and its padding, read last in reverse, again comes after every
+        real token; the layer reads the batch and the copy as one batch of ``2B`` (one cuDNN
+        call, no packing, no host synchronisation) and the copy's backward outputs are rotated
+        back. The final states are the forward output at the last real token and the backward
+        output at the first. A sequence without any real token gets zero outputs and zero
+        final states.
         """
         B, L, _ = x.shape
-        lengths = mask.sum(dim=1)
-        # pack_padded_sequence rejects empty sequences: run them over one (padding) step and
-        # zero their results afterwards.
-        packed_lengths = lengths.clamp(min=1).cpu()
+        lengths = mask.sum(dim=1, keepdim=True)  # [B, 1]
+        steps = torch.arange(L, device=x.device)
+        to_end, back = (steps + lengths) % L, (steps - lengths) % L  # [B, L] each
+        h = self.hidden_size
         outputs = []
         for rnn in self.layers:
-            packed = pack_padded_sequence(
-                self.dropout(x), packed_lengths, batch_first=True, enforce_sorted=False
-            )
-            out, h_n = rnn(packed)
-            x, _ = pad_packed_sequence(out, batch_first=True, total_length=L)
+            x = self.dropout(x)
+            if self.bidirectional:
+                out = rnn(torch.cat([x, take(x, to_end)]))[0]  # [2B, L, 2h]
+                x = torch.cat([out[:B, :, :h], take(out[B:, :, h:], back)], dim=-1)
+            else:
+                x = rnn(x)[0]
             outputs.append(x)
         out = torch.cat(outputs, dim=-1) if self.concat_layers else outputs[-1]
-        h_n = h_n[0] if isinstance(h_n, tuple) else h_n  # LSTM returns (h_n, c_n)
-        final = h_n.transpose(0, 1).reshape(B, -1)  # [directions, B, h] -> [B, directions·h]
-        empty = (lengths == 0).unsqueeze(-1)
-        return out.masked_fill(~mask.unsqueeze(-1), 0.0), final.masked_fill(empty, 0.0)
+        last = take(outputs[-1], (lengths - 1).clamp(min=0))[:, 0]  # [B, (2)h]
+        final = torch.cat([last[:, :h], outputs[-1][:, 0, h:]], -1) if self.bidirectional else last
+        return (out.masked_fill(~mask.unsqueeze(-1), 0.0),
+                final.masked_fill(lengths == 0, 0.0))
+
+
+def take(x: Tensor, index: Tensor) -> Tensor:
+    """``x[b, index[b, t]]`` for ``x`` ``[B, L, d]`` and ``index`` ``[B, T]``: ``[B, T, d]``."""
+    return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))

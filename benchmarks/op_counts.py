@@ -1,0 +1,98 @@
+"""ATen operations per training step of every reader: a device-independent count of the
+kernels an eager step launches.
+
+    python benchmarks/op_counts.py                  # every reader, full-profile sizes
+    python benchmarks/op_counts.py --models bidaf,qanet --seq-len 140
+    python benchmarks/op_counts.py --tiny           # the script's own check (CI)
+
+The first H100 bring-up (``benchmarks/results/gpu_nvidia_h100_80gb_hbm3.json``) trained QANet
+no faster at 140 context tokens than at 400: its step time is per-step overhead, and in eager
+PyTorch that is mostly one kernel launch per operation. This script counts those operations on
+the CPU, where no GPU is needed: one forward and backward of the reader (the optimizer and the
+weight average are left out, as on CUDA they are fused into a few kernels) on a synthetic
+batch of the full profile's batch size, each operation that reaches an ATen kernel counted
+once, views and other metadata-only operations apart. A CUDA step launches about the counted
+operations (plus bf16 casts, minus what its kernels fuse, such as dropout), so the count tracks
+changes that cut launches, with one exception: the CPU runs a GRU one time step at a time
+(about ten operations per step), where cuDNN runs a whole layer in one call, so the counts of
+readers with a GRU (``gru_steps_on_cpu``) are far above what CUDA launches. Results go to
+``benchmarks/results/op_counts.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_bringup import readers  # noqa: E402
+from mrc_lib.bench import SyntheticVocab, synthetic_batch  # noqa: E402
+from mrc_lib.config import resolve_config  # noqa: E402
+from mrc_lib.models import build_model  # noqa: E402
+from mrc_lib.tasks import get_task  # noqa: E402
+from mrc_lib.utils import atomic_write_json  # noqa: E402
+
+# Operations that only make a new view of a tensor's memory: no kernel.
+VIEWS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "unsqueeze",
+         "squeeze", "slice", "select", "narrow", "split", "split_with_sizes", "unbind",
+         "as_strided", "alias", "detach", "unfold", "view_as_real", "_reshape_alias"}
+
+
+class Count(TorchDispatchMode):
+    """Counts the ATen operations dispatched under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count(name: str, seq_len: int, tiny: bool) -> dict:
+    """Kernel-launching operations (and views) of one forward and backward of ``name``."""
+    cfg = resolve_config(name, profile="smoke" if tiny else "full", overrides=["device=cpu"])
+    batch_size = 2 if tiny else cfg.batch_size
+    vocab = SyntheticVocab.random(size=2_000)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model, vocab, **cfg.hparams).train()
+    loss_of = get_task(cfg.task).loss
+    batch = synthetic_batch(vocab, batch_size, seq_len, seed=0)
+    loss_of(model(batch), batch).backward()  # first-call work (lazy init) is not counted
+    model.zero_grad(set_to_none=True)
+    with Count() as counted:
+        loss_of(model(batch), batch).backward()
+    views = sum(n for op, n in counted.ops.items() if op in VIEWS)
+    kernels = collections.Counter({op: n for op, n in counted.ops.items() if op not in VIEWS})
+    return {"batch_size": batch_size, "seq_len": seq_len, "ops": sum(kernels.values()),
+            "views": views, "top": dict(kernels.most_common(8)),
+            "gru_steps_on_cpu": any(isinstance(m, torch.nn.GRU) for m in model.modules())}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-len", type=int, default=140, help="context tokens")
+    p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
+    p.add_argument("--tiny", action="store_true", help="smoke-size readers: checks the script")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "op_counts.json"))
+    args = p.parse_args(argv)
+    results = {"what": "ATen operations of one forward and backward, views apart",
+               "torch": torch.__version__, "tiny": args.tiny, "models": {}}
+    for name in args.models.split(",") if args.models else readers():
+        results["models"][name] = count(name, 16 if args.tiny else args.seq_len, args.tiny)
+        print(name, results["models"][name]["ops"], flush=True)
+    atomic_write_json(args.out, results)
+    print(args.out)
+    return results
+
+
+if __name__ == "__main__":
+    main()
