@@ -258,7 +258,7 @@ def pending(jobs: list[Job], out: Path, profile: str = "full") -> list[Job]:
 def work(job: Job, out: Path, deadline: float | None, profile: str = "full",
          settings: tuple[str, ...] = ()) -> dict:
     """Train ``job`` in ``out/<chapter>/<run>`` until it ends or ``deadline``; write its
-    ``status.json`` and, once it is complete, its record under ``out/records``."""
+    ``status.json`` and its record under ``out/records`` (partial until it is complete)."""
     from mrc_lib.train import load_data, train
 
     cfg = job.config(profile, settings)
