@@ -9,8 +9,9 @@ profile's hyperparameters, batch size and precision (bf16 autocast where the pro
 ``bf16``; the RNN readers whose profile turns it off run in TF32), on synthetic batches the size
 of SQuAD's (:mod:`mrc_lib.bench`):
 
-* one training step (the trainer's ``train_step``: forward, loss, backward, clipping, optimizer)
-  and a check that the loss and every gradient are finite;
+* one training step (the trainer's ``train_step``: forward, loss, backward, clipping, optimizer),
+  its time (``first_step_seconds``: with ``--compile``, mostly compilation, for each length) and
+  a check that the loss and every gradient are finite;
 * training and inference examples per second after warm-up, at each ``--seq-len`` (context
   tokens; the first one gives the epoch estimate: contexts are padded to a batch's longest, so
   400 is an upper bound and the mean SQuAD context, about 140 tokens, a lower one);
@@ -26,7 +27,6 @@ the script, not the speed.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 import traceback
@@ -54,21 +54,23 @@ from mrc_lib.train import (  # noqa: E402
     resolve_device,
     train_step,
 )
-from mrc_lib.utils import atomic_write_json  # noqa: E402
+from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
 
 def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
     """A checked training step on ``batch``, then training and inference examples per second
     and the seconds per SQuAD epoch at that rate."""
     model.train()
-    loss = train_step(net, batch, optimizer, cfg, dev)
+    tic = time.perf_counter()
+    finite = bool(torch.isfinite(train_step(net, batch, optimizer, cfg, dev)))  # waits for it
+    first_step = time.perf_counter() - tic  # with torch.compile: the compilation
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not torch.isfinite(loss) or not all(torch.isfinite(g).all() for g in grads):
+    if not finite or not all(torch.isfinite(g).all() for g in grads):
         raise FloatingPointError(f"non-finite loss or gradient at {batch['c_words'].shape[1]} "
                                  "tokens")
     train_s, infer_s = time_steps(net, model, batch, optimizer, ema, cfg, dev, steps)
     rate = steps * cfg.batch_size / train_s
-    return {"train_examples_per_s": round(rate, 1),
+    return {"first_step_seconds": round(first_step, 2), "train_examples_per_s": round(rate, 1),
             "infer_examples_per_s": round(steps * cfg.batch_size / infer_s, 1),
             "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
 
@@ -113,10 +115,6 @@ def readers() -> list[str]:
             continue
         names.append(name)
     return names
-
-
-def slug(text: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
 def main(argv=None) -> dict:

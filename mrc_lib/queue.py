@@ -46,9 +46,10 @@ from pathlib import Path
 
 from mrc_lib import records
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_write_bytes, atomic_write_json, cut_parts, join_parts
+from mrc_lib.utils import atomic_write_bytes, atomic_write_json, cut_parts, join_parts, slug
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
+PACKING_RESULTS = records.ROOT / "benchmarks" / "results"  # benchmarks/gpu_packing.py's output
 EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
@@ -318,6 +319,33 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
     return codes
 
 
+def measured_parallel(results: Path = PACKING_RESULTS) -> int:
+    """``--parallel auto``: the process count that ``benchmarks/gpu_packing.py`` recommends
+    for this machine's GPU (``recommended_parallel`` in ``packing_<device>.json``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError("--parallel auto reads the packing benchmark of this machine's GPU, "
+                        "and there is no GPU: give --parallel N")
+    path = results / f"packing_{slug(torch.cuda.get_device_name())}.json"
+    if not path.exists():
+        raise UserError(f"--parallel auto: no {path}; run benchmarks/gpu_packing.py on this "
+                        "GPU first, or give --parallel N")
+    parallel = json.loads(path.read_text()).get("recommended_parallel")
+    if not parallel:
+        raise UserError(f"{path}: no recommended_parallel (did every measurement fail?)")
+    return int(parallel)
+
+
+def parallel_count(value: str) -> int | str:
+    """``--parallel``: a count of at least 1, or ``auto``."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count of at least 1 or 'auto'")
+    return int(value)
+
+
 def find_job(jobs: list[Job], key: str) -> Job:
     for job in jobs:
         if job.key == key:
@@ -570,8 +598,9 @@ def queue_cli(args) -> None:
              check_settings(args.set))
     else:
         settings = check_settings(args.set)
-        if args.parallel < 1:
-            raise UserError("--parallel must be at least 1")
+        if args.parallel == "auto":
+            args.parallel = measured_parallel()
+            print(f"--parallel auto: {args.parallel} processes")
         if args.inbox:
             restore(out, Path(args.inbox))
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
@@ -592,7 +621,9 @@ def add_parser(sub) -> None:
     s.add_argument("--out", default=None, help="the runner's folder (runs, records); verify: "
                    "the smoke run folder (default runs)")
     s.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of `run`")
-    s.add_argument("--parallel", type=int, default=1, help="concurrent worker processes")
+    s.add_argument("--parallel", type=parallel_count, default=1,
+                   help="concurrent worker processes, or auto: as many as "
+                   "benchmarks/gpu_packing.py found fastest on this GPU")
     s.add_argument("--only", action="append", metavar="GLOB",
                    help="only the runs whose <chapter>/<run> matches (repeatable)")
     s.add_argument("--inbox", default=None, metavar="DEST",

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -75,6 +76,12 @@ def join_parts(manifest: Path, parts: list[dict], what: str = "checkpoint part",
                             f"{manifest})")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def slug(text: str) -> str:
+    """``text`` in lower case with runs of other characters as ``_``: a device name as a file
+    name (``NVIDIA H100 80GB HBM3`` to ``nvidia_h100_80gb_hbm3``)."""
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
 def atomic_write_json(path, obj, indent: int | None = 2) -> None:

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mrc_lib.cli import main
 
 from .conftest import ARTICLES, squad_json
@@ -77,6 +79,36 @@ def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
     models = result["models"]
     assert all(m["ops"] > 0 and m["views"] > 0 and m["top"] for m in models.values())
     assert [m["gru_steps_on_cpu"] for m in models.values()] == [False, False, True]
+
+
+def test_gpu_packing_sums_concurrent_processes_tiny_on_cpu(tmp_path):
+    packing = load_bringup("gpu_packing")
+    out = tmp_path / "packing.json"
+    result = packing.main(["--device", "cpu", "--tiny", "--models", "bidaf,no_such_reader",
+                           "--parallel", "1,2", "--seconds", "0.5", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    bidaf = result["models"]["bidaf"]
+    for n in ("1", "2"):
+        assert bidaf[n]["train_examples_per_s"] > 0 and bidaf[n]["peak_memory_bytes"] > 0
+    assert bidaf["2"]["per_process_examples_per_s"] * 2 == pytest.approx(
+        bidaf["2"]["train_examples_per_s"], abs=0.2)
+    # A reader whose process fails ends its series with the worker's error, one line.
+    assert list(result["models"]["no_such_reader"]) == ["1"]
+    assert "no_such_reader" in result["models"]["no_such_reader"]["1"]["error"]
+    assert result["best_parallel"] == {"bidaf": 1 if bidaf["1"]["train_examples_per_s"]
+                                       >= 0.95 * bidaf["2"]["train_examples_per_s"] else 2}
+    assert result["recommended_parallel"] in (1, 2)
+
+
+def test_gpu_packing_recommends_the_best_geometric_mean():
+    choose = load_bringup("gpu_packing").choose
+    models = {"a": {"1": {"train_examples_per_s": 100}, "2": {"train_examples_per_s": 180},
+                    "4": {"train_examples_per_s": 185}},
+              "b": {"1": {"train_examples_per_s": 50}, "2": {"train_examples_per_s": 60},
+                    "4": {"error": "CUDA out of memory"}}}
+    assert choose(models) == ({"a": 2, "b": 2}, 2)
+    models["b"]["4"] = {"train_examples_per_s": 40}
+    assert choose(models) == ({"a": 2, "b": 2}, 2)  # 185/185 * 40/60 < 180/185 * 60/60
 
 
 def cpu_has_bf16_rnn() -> bool:

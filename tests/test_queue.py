@@ -331,3 +331,27 @@ def test_smoke_overrides_apply_at_the_smoke_profile_only(tmp_path):
     (job,) = queue.load_queue(path)
     assert job.config("smoke").max_steps == 4 and job.config("smoke").hparams["hidden"] == 8
     assert job.config("full").max_steps is None and job.config("full").hparams["hidden"] == 8
+
+
+def test_parallel_auto_reads_the_packing_benchmark_of_this_gpu(tmp_path, monkeypatch):
+    import argparse
+
+    import torch
+
+    assert queue.parallel_count("3") == 3 and queue.parallel_count("auto") == "auto"
+    for bad in ("0", "-1", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match=bad):
+            queue.parallel_count(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="no GPU"):
+        queue.measured_parallel(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    path = tmp_path / "packing_nvidia_h100_80gb_hbm3.json"
+    with pytest.raises(UserError, match="gpu_packing.py"):
+        queue.measured_parallel(tmp_path)
+    path.write_text(json.dumps({"recommended_parallel": None}))
+    with pytest.raises(UserError, match="no recommended_parallel"):
+        queue.measured_parallel(tmp_path)
+    path.write_text(json.dumps({"recommended_parallel": 6}))
+    assert queue.measured_parallel(tmp_path) == 6
