@@ -33,6 +33,7 @@ from mrc_lib.nn import (
     add_positions,
     build_similarity,
     context_to_query,
+    conv_over_time,
     decode_span,
     mask_logits,
     masked_softmax,
@@ -40,6 +41,7 @@ from mrc_lib.nn import (
     query_to_context_dcn,
     sinusoidal_positions,
     span_loss,
+    window_conv,
 )
 
 
@@ -477,6 +479,42 @@ def test_depthwise_separable_conv_equals_definition_and_ignores_padding():
     with_relu.load_state_dict(conv.state_dict())
     torch.testing.assert_close(with_relu(x, mask), torch.relu(out))
     assert_grads_reach_every_parameter(conv, out.square().sum())
+
+
+@pytest.mark.parametrize("k", [1, 3, 4, 7])
+@pytest.mark.parametrize("depthwise", [True, False])
+def test_window_conv_equals_nn_conv1d(k, depthwise):
+    # Eager steps run the nn.Conv1d; compiled ones, the window form: both agree, gradients too.
+    conv = nn.Conv1d(3, 3 if depthwise else 4, k, padding="same", groups=3 if depthwise else 1)
+    x = torch.randn(2, 6, 3, requires_grad=True)
+    expected = conv(x.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(conv_over_time(conv, x), expected)
+    windowed = window_conv(x, conv.weight, conv.bias, conv.groups)
+    torch.testing.assert_close(windowed, expected)
+    wrt = [x, conv.weight, conv.bias]
+    got = torch.autograd.grad(windowed.square().sum(), wrt)
+    for g, want in zip(got, torch.autograd.grad(expected.square().sum(), wrt)):
+        torch.testing.assert_close(g, want)
+
+
+@pytest.mark.parametrize("module", ["conv", "char_cnn"])
+def test_convolutions_compile_once_for_every_length(module):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if module == "conv":
+        net = torch.compile(DepthwiseSeparableConv(4, 4, kernel_size=3, relu=True),
+                            dynamic=True)
+    else:
+        net = torch.compile(CharCNN(n_chars=10, char_dim=4, out_dim=6, kernel_size=3),
+                            dynamic=True)
+    for L in (5, 8, 11):
+        if module == "conv":
+            out = net(torch.randn(2, L, 4, requires_grad=True), lengths_mask([L, 2], L=L))
+        else:
+            out = net(torch.randint(0, 10, (2, L, 4)))
+        out.sum().backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("dim", [6, 5])

@@ -25,7 +25,9 @@ from mrc_lib.nn.conv import (
     EncoderBlock,
     FeedForward,
     add_positions,
+    conv_over_time,
     sinusoidal_positions,
+    window_conv,
 )
 from mrc_lib.nn.embedding import CharCNN, Highway, WordEmbedding
 from mrc_lib.nn.rnn import RNN, LockedDropout
@@ -49,6 +51,7 @@ __all__ = [
     "TrilinearSimilarity",
     "WordEmbedding",
     "add_positions",
+    "conv_over_time",
     "build_similarity",
     "c2q_attention",
     "context_to_query",
@@ -58,5 +61,6 @@ __all__ = [
     "query_to_context",
     "query_to_context_dcn",
     "sinusoidal_positions",
+    "window_conv",
     "span_loss",
 ]

@@ -3,6 +3,7 @@
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mrc_lib.nn.attention import MultiHeadSelfAttention
@@ -15,6 +16,8 @@ class DepthwiseSeparableConv(nn.Module):
     Input ``[B, L, in_ch]``, output ``[B, L, out_ch]``, optionally through a ReLU; padding
     positions are zeroed before the convolution (so they never leak into real positions) and
     in the output.
+
+    Both convolutions go through :func:`conv_over_time`.
     """
 
     def __init__(self, in_ch: int, out_ch: int, kernel_size: int, relu: bool = False) -> None:
@@ -26,8 +29,39 @@ class DepthwiseSeparableConv(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if mask is not None:
             x = x.masked_fill(~mask.unsqueeze(-1), 0.0)
-        y = self.activation(self.pointwise(self.depthwise(x.transpose(1, 2))).transpose(1, 2))
+        y = self.activation(conv_over_time(self.pointwise, conv_over_time(self.depthwise, x)))
         return y if mask is None else y.masked_fill(~mask.unsqueeze(-1), 0.0)
+
+
+def conv_over_time(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """``conv`` (stride 1, "same" padding, full or depthwise) over ``x`` ``[N, T, C]`` with time
+    before channels: ``[N, T, out]``.
+
+    Eager steps call the module, one kernel. Under ``torch.compile`` it is :func:`window_conv`,
+    which the compiler turns into one fused kernel (depthwise) or one matrix product (full) for
+    every sequence length, where its convolution lowering fixes the length and compiles again
+    for each new one.
+    """
+    if torch.compiler.is_compiling():
+        return window_conv(x, conv.weight, conv.bias, conv.groups)
+    return conv(x.transpose(1, 2)).transpose(1, 2)
+
+
+def window_conv(x: Tensor, weight: Tensor, bias: Tensor | None, groups: int = 1) -> Tensor:
+    """The convolution with "same" padding of ``x`` ``[N, T, C]`` by ``weight`` ``[O, C/groups,
+    k]`` (``groups`` 1 or ``C``), from each position's window of ``k`` inputs, zero outside the
+    sequence (``(k − 1) // 2`` positions before, ``k // 2`` after, as ``nn.Conv1d`` pads):
+    ``y_to = Σ_c Σ_j w_ocj x_(t+j−(k−1)//2),c + b_o``, or for a depthwise weight
+    ``y_tc = Σ_j w_cj x_(t+j−(k−1)//2),c + b_c``."""
+    k = weight.shape[-1]
+    windows = F.pad(x, (0, 0, (k - 1) // 2, k // 2)).unfold(1, k, 1)  # [N, T, C, k]
+    if groups == 1:
+        return F.linear(windows.flatten(2), weight.flatten(1), bias)
+    if groups != x.shape[-1] or weight.shape[1] != 1:
+        raise ValueError(f"window_conv: groups={groups} is neither 1 nor the {x.shape[-1]} "
+                         "channels")
+    y = (windows * weight.squeeze(1)).sum(-1)
+    return y if bias is None else y + bias
 
 
 def sinusoidal_positions(

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mrc_lib.nn.conv import conv_over_time
+
 PAD = 0
 
 
@@ -62,11 +64,11 @@ class CharCNN(nn.Module):
     def forward(self, chars: Tensor) -> Tensor:
         B, L, W = chars.shape
         chars = chars.view(B * L, W)
-        x = self.dropout(self.embed(chars)).transpose(1, 2)  # [B*L, char_dim, W]
-        h = torch.relu(self.conv(x))  # [B*L, out_dim, W]
+        x = self.dropout(self.embed(chars))  # [B*L, W, char_dim]
+        h = torch.relu(conv_over_time(self.conv, x))  # [B*L, W, out_dim]
         # ReLU outputs are >= 0, so filling padding with 0 leaves the max over real chars intact.
-        h = h.masked_fill((chars == PAD).unsqueeze(1), 0.0)
-        return h.amax(dim=-1).view(B, L, -1)
+        h = h.masked_fill((chars == PAD).unsqueeze(-1), 0.0)
+        return h.amax(dim=1).view(B, L, -1)
 
 
 class Highway(nn.Module):
