@@ -48,6 +48,7 @@ from mrc_lib.models import MODELS, build_model  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     EMA,
     build_optimizer,
+    compiled,
     count_parameters,
     device_name,
     peak_memory_bytes,
@@ -85,7 +86,7 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     torch.manual_seed(cfg.seed)
     vocab = SyntheticVocab.random(size=2_000 if tiny else 72_498)
     model = build_model(cfg.model, vocab, **cfg.hparams).to(dev)
-    net = torch.compile(model) if compile_ else model
+    net = compiled(model) if compile_ else model
     optimizer = build_optimizer(cfg, model, dev)
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
     if dev.type == "cuda":

@@ -199,6 +199,13 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
                 fused=device.type == "cuda")
 
 
+def compiled(net: nn.Module) -> nn.Module:
+    """``net`` through :func:`torch.compile` with symbolic shapes from the first call: the
+    lengths change from batch to batch, and one compilation serves them all (by default the
+    first batch's shapes are compiled, then compiled again as symbols)."""
+    return torch.compile(net, dynamic=True)
+
+
 # --- one step -----------------------------------------------------------------------------------
 
 
@@ -326,7 +333,7 @@ class Trainer:
             self.net = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if cfg.compile:
-            self.net = torch.compile(self.net)
+            self.net = compiled(self.net)
         # Each process draws its own dropout masks.
         torch.manual_seed(cfg.seed + process.rank)
         self.progress = Progress()
