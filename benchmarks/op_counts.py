@@ -15,8 +15,14 @@ once, views and other metadata-only operations apart. A CUDA step launches about
 operations (plus bf16 casts, minus what its kernels fuse, such as dropout), so the count tracks
 changes that cut launches, with one exception: the CPU runs a GRU one time step at a time
 (about ten operations per step), where cuDNN runs a whole layer in one call, so the counts of
-readers with a GRU (``gru_steps_on_cpu``) are far above what CUDA launches. Results go to
-``benchmarks/results/op_counts.json`` (or ``--out``).
+readers with a GRU (``gru_steps_on_cpu``) are far above what CUDA launches.
+
+The other cure for launch overhead is ``torch.compile``, which fuses a graph's operations into
+a few kernels; how much it can fuse depends on how many graphs it captures. For each reader the
+script also traces the training forward with TorchDynamo (nothing is compiled) and records the
+graphs, the breaks between them and the distinct reasons (an LSTM or GRU is left to cuDNN
+between graphs; a tensor read as a Python number or a data-dependent shape breaks a graph).
+Results go to ``benchmarks/results/op_counts.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -74,7 +80,20 @@ def count(name: str, seq_len: int, tiny: bool) -> dict:
     kernels = collections.Counter({op: n for op, n in counted.ops.items() if op not in VIEWS})
     return {"batch_size": batch_size, "seq_len": seq_len, "ops": sum(kernels.values()),
             "views": views, "top": dict(kernels.most_common(8)),
-            "gru_steps_on_cpu": any(isinstance(m, torch.nn.GRU) for m in model.modules())}
+            "gru_steps_on_cpu": any(isinstance(m, torch.nn.GRU) for m in model.modules()),
+            **graphs(model, batch)}
+
+
+def graphs(model: torch.nn.Module, batch: dict) -> dict:
+    """How ``torch.compile`` would capture the training forward: its graphs, and the distinct
+    reasons it breaks between them (the first line of each), from TorchDynamo's trace alone
+    (nothing is compiled)."""
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(batch)
+    reasons = sorted({str(r.reason).strip().splitlines()[0] for r in explained.break_reasons})
+    torch._dynamo.reset()
+    return {"graphs": explained.graph_count, "graph_breaks": explained.graph_break_count,
+            "break_reasons": reasons}
 
 
 def main(argv=None) -> dict:
@@ -84,11 +103,13 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="smoke-size readers: checks the script")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "op_counts.json"))
     args = p.parse_args(argv)
-    results = {"what": "ATen operations of one forward and backward, views apart",
+    results = {"what": "ATen operations of one forward and backward, views apart; the graphs "
+               "torch.compile would capture of the forward",
                "torch": torch.__version__, "tiny": args.tiny, "models": {}}
     for name in args.models.split(",") if args.models else readers():
         results["models"][name] = count(name, 16 if args.tiny else args.seq_len, args.tiny)
-        print(name, results["models"][name]["ops"], flush=True)
+        print(name, results["models"][name]["ops"], results["models"][name]["graphs"],
+              flush=True)
     atomic_write_json(args.out, results)
     print(args.out)
     return results

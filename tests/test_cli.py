@@ -79,6 +79,8 @@ def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
     models = result["models"]
     assert all(m["ops"] > 0 and m["views"] > 0 and m["top"] for m in models.values())
     assert [m["gru_steps_on_cpu"] for m in models.values()] == [False, False, True]
+    assert (models["qanet"]["graphs"], models["qanet"]["graph_breaks"]) == (1, 0)
+    assert models["bidaf"]["graph_breaks"] > 0 and models["bidaf"]["break_reasons"]
 
 
 def test_gpu_packing_sums_concurrent_processes_tiny_on_cpu(tmp_path):
