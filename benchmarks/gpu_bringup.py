@@ -37,17 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib.bench import (  # noqa: E402
-    SQUAD_TRAIN_EXAMPLES,
-    SyntheticVocab,
-    synthetic_batch,
-    time_steps,
-)
-from mrc_lib.config import resolve_config  # noqa: E402
-from mrc_lib.models import MODELS, build_model  # noqa: E402
+from mrc_lib.bench import SQUAD_TRAIN_EXAMPLES, setup, time_steps  # noqa: E402
+from mrc_lib.models import MODELS  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
-    EMA,
-    build_optimizer,
     compiled,
     count_parameters,
     device_name,
@@ -79,25 +71,17 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
             compile_: bool) -> dict:
     """One reader's bring-up: a checked training step, then speeds and peak memory."""
-    profile = "smoke" if tiny else "full"
     overrides = [f"device={device}"] + (["batch_size=2"] if tiny else [])
-    cfg = resolve_config(name, profile=profile, overrides=overrides)
-    dev = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    vocab = SyntheticVocab.random(size=2_000 if tiny else 72_498)
-    model = build_model(cfg.model, vocab, **cfg.hparams).to(dev)
+    s = setup(name, "smoke" if tiny else "full", overrides, 2_000 if tiny else None)
+    cfg, dev, model = s.cfg, s.device, s.model
     net = compiled(model) if compile_ else model
-    optimizer = build_optimizer(cfg, model, dev)
-    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
               "params": count_parameters(model), "speed": {}}
     for k, seq_len in enumerate(seq_lens):
-        batch = {key: v.to(dev) for key, v in
-                 synthetic_batch(vocab, cfg.batch_size, seq_len, seed=k).items()}
-        result["speed"][str(seq_len)] = speed(net, model, batch, optimizer, ema, cfg, dev,
-                                              steps)
+        result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k), s.optimizer,
+                                              s.ema, cfg, dev, steps)
     result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
     result["peak_memory_bytes"] = peak_memory_bytes(dev)
     return result

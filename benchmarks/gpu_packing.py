@@ -38,12 +38,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib.bench import SyntheticVocab, synthetic_batch  # noqa: E402
-from mrc_lib.config import resolve_config  # noqa: E402
-from mrc_lib.models import build_model  # noqa: E402
+from mrc_lib.bench import setup  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
-    EMA,
-    build_optimizer,
     device_name,
     peak_memory_bytes,
     resolve_device,
@@ -58,25 +54,19 @@ NEAR_BEST = 0.95  # best_parallel: the smallest N at least this fraction of the 
 def worker(name: str, device: str, seq_len: int, seconds: float, tiny: bool) -> dict:
     """One process of a measurement: warm up, say ``ready``, wait for ``go`` on stdin, train
     for ``seconds``; returns its steps, time and peak memory."""
-    profile = "smoke" if tiny else "full"
     overrides = [f"device={device}"] + (["batch_size=2"] if tiny else [])
-    cfg = resolve_config(name, profile=profile, overrides=overrides)
-    dev = resolve_device(cfg.device)
-    torch.manual_seed(cfg.seed)
-    vocab = SyntheticVocab.random(size=2_000 if tiny else 72_498)
-    model = build_model(cfg.model, vocab, **cfg.hparams).to(dev).train()
-    optimizer = build_optimizer(cfg, model, dev)
-    ema = EMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
-    batch = {k: v.to(dev) for k, v in synthetic_batch(vocab, cfg.batch_size, seq_len).items()}
+    s = setup(name, "smoke" if tiny else "full", overrides, 2_000 if tiny else None)
+    s.model.train()
+    batch = s.batch(seq_len)
 
     def step():
-        train_step(model, batch, optimizer, cfg, dev)
-        if ema is not None:
-            ema.update(model)
+        train_step(s.model, batch, s.optimizer, s.cfg, s.device)
+        if s.ema is not None:
+            s.ema.update(s.model)
 
     def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
+        if s.device.type == "cuda":
+            torch.cuda.synchronize(s.device)
 
     for _ in range(WARMUP_STEPS):
         step()
@@ -89,8 +79,8 @@ def worker(name: str, device: str, seq_len: int, seconds: float, tiny: bool) -> 
         steps += 1
     sync()
     elapsed = time.perf_counter() - tic
-    return {"steps": steps, "seconds": elapsed, "batch_size": cfg.batch_size,
-            "peak_memory_bytes": peak_memory_bytes(dev)}
+    return {"steps": steps, "seconds": elapsed, "batch_size": s.cfg.batch_size,
+            "peak_memory_bytes": peak_memory_bytes(s.device)}
 
 
 def packed(name: str, n: int, args) -> dict:

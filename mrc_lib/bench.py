@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from mrc_lib.config import TrainConfig, resolve_config
 from mrc_lib.models import build_model
@@ -136,21 +136,48 @@ def time_steps(net: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Te
     return train_seconds, _seconds(infer_once, steps, dev, warmup)
 
 
-def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int = 10,
-          device: str = "auto", profile: str = "full", warmup: int = WARMUP_STEPS) -> dict:
-    """Measure reader ``model_name`` (``profile``'s hyperparameters) on synthetic batches."""
-    cfg = resolve_config(model_name, profile=profile,
-                         overrides=[f"device={device}", f"batch_size={batch_size}"])
+@dataclass
+class Setup:
+    """A reader ready for the trainer's step on synthetic batches."""
+
+    cfg: TrainConfig
+    device: torch.device
+    vocab: SyntheticVocab
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    ema: EMA | None
+
+    def batch(self, seq_len: int, seed: int = 0) -> dict[str, Tensor]:
+        """A synthetic batch of ``cfg.batch_size`` with contexts of ``seq_len`` tokens, on the
+        device."""
+        return {k: v.to(self.device) for k, v in
+                synthetic_batch(self.vocab, self.cfg.batch_size, seq_len, seed=seed).items()}
+
+
+def setup(model_name: str, profile: str = "full", overrides: list[str] = (),
+          vocab_size: int | None = None) -> Setup:
+    """Reader ``model_name`` with ``profile``'s hyperparameters (and ``overrides``), seeded,
+    over a synthetic vocabulary (SQuAD's size unless ``vocab_size``), on the configured device,
+    with the trainer's optimizer and weight average."""
+    cfg = resolve_config(model_name, profile=profile, overrides=list(overrides))
     dev = resolve_device(cfg.device)
     torch.manual_seed(cfg.seed)
-    vocab = SyntheticVocab.random()
+    vocab = SyntheticVocab.random(**({} if vocab_size is None else {"size": vocab_size}))
     model = build_model(cfg.model, vocab, **cfg.hparams).to(dev)
     optimizer = build_optimizer(cfg, model, dev)
     ema = EMA(model, cfg.ema_decay) if cfg.ema_decay is not None else None
-    batch = {k: v.to(dev) for k, v in synthetic_batch(vocab, batch_size, seq_len).items()}
+    return Setup(cfg, dev, vocab, model, optimizer, ema)
+
+
+def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int = 10,
+          device: str = "auto", profile: str = "full", warmup: int = WARMUP_STEPS) -> dict:
+    """Measure reader ``model_name`` (``profile``'s hyperparameters) on synthetic batches."""
+    s = setup(model_name, profile, [f"device={device}", f"batch_size={batch_size}"])
+    cfg, dev, model = s.cfg, s.device, s.model
+    batch = s.batch(seq_len)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    train_seconds, infer_seconds = time_steps(model, model, batch, optimizer, ema, cfg, dev,
+    train_seconds, infer_seconds = time_steps(model, model, batch, s.optimizer, s.ema, cfg, dev,
                                               steps, warmup)
     train_rate = steps * batch_size / train_seconds
     return {
