@@ -548,3 +548,20 @@ def test_attention_analysis_payload_is_the_forward_attention(mirror, model, hpar
     assert got.shape == (min(40, len(dev.tokens(1))), q)
     assert torch.allclose(got, att[:got.shape[0], :q], atol=1e-4)
     assert len(json.dumps(payload)) < 200_000
+
+
+def test_compile_compiles_a_readers_regions_in_place_or_the_whole_reader():
+    from mrc_lib.bench import SyntheticVocab
+    from mrc_lib.models.dynsa import DynSA
+    from mrc_lib.nn import EncoderBlock
+
+    vocab = SyntheticVocab.random(size=2_000)
+    for name, region in (("qanet", EncoderBlock), ("dynsan", DynSA)):
+        model = build_model(name, vocab, **resolve_config(name, profile="smoke").hparams)
+        keys = list(model.state_dict())
+        assert engine.compiled(model) is model  # nothing compiles until the first call
+        blocks = [m for m in model.modules() if isinstance(m, region)]
+        assert blocks and all(m._compiled_call_impl is not None for m in blocks)
+        assert model._compiled_call_impl is None and list(model.state_dict()) == keys
+    bidaf = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
+    assert isinstance(engine.compiled(bidaf), torch._dynamo.eval_frame.OptimizedModule)

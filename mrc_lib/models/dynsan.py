@@ -188,6 +188,9 @@ class DynSAN(nn.Module):
     """
 
     FEATURES = False  # the context side gets the batch's ``c_feats`` (vocab.n_feats of them)
+    # compile=true compiles each block (train.compiled): the passage layout around them reads
+    # lengths on the host, which breaks a graph of the whole reader.
+    compile_regions = (DynSA, EncoderBlock)
 
     def __init__(self, vocab, *, d_model: int = 128, heads: int = 8, top_k: int = 256,
                  num_blocks: int = 4, num_convs: int = 2, kernel_size: int = 7,

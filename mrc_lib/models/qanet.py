@@ -69,6 +69,8 @@ class QANet(nn.Module):
         use_features: append the data pipeline's token features to the context embedding.
     """
 
+    compile_regions = (EncoderBlock,)  # compile=true compiles each block (train.compiled)
+
     def __init__(self, vocab, *, d_model: int = 128, heads: int = 8, emb_blocks: int = 1,
                  emb_convs: int = 4, emb_kernel: int = 7, model_blocks: int = 7,
                  model_convs: int = 2, model_kernel: int = 5, char_dim: int = 64,
