@@ -38,7 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib.bench import setup  # noqa: E402
+from mrc_lib.bench import WARMUP_STEPS, setup  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     device_name,
     peak_memory_bytes,
@@ -47,7 +47,6 @@ from mrc_lib.train import (  # noqa: E402
 )
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
-WARMUP_STEPS = 3
 NEAR_BEST = 0.95  # best_parallel: the smallest N at least this fraction of the fastest
 
 

@@ -11,7 +11,7 @@ second, and projects the seconds per epoch of SQuAD v1.1 training.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,7 +154,7 @@ class Setup:
                 synthetic_batch(self.vocab, self.cfg.batch_size, seq_len, seed=seed).items()}
 
 
-def setup(model_name: str, profile: str = "full", overrides: list[str] = (),
+def setup(model_name: str, profile: str = "full", overrides: Sequence[str] = (),
           vocab_size: int | None = None) -> Setup:
     """Reader ``model_name`` with ``profile``'s hyperparameters (and ``overrides``), seeded,
     over a synthetic vocabulary (SQuAD's size unless ``vocab_size``), on the configured device,

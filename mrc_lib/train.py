@@ -206,8 +206,8 @@ def compiled(model: nn.Module, net: nn.Module | None = None) -> nn.Module:
 
     A reader that names its repeated blocks in ``compile_regions`` gets each of those modules
     compiled in place (regional compilation: one graph per kind of block, which its copies
-    share; QANet compiles in about a seventh of the time of its whole step) and ``net`` is
-    returned as it is; any other reader's ``net`` is compiled whole.
+    share, compiled in a fraction of the time of the whole step) and ``net`` is returned as it
+    is; any other reader's ``net`` is compiled whole.
     """
     net = model if net is None else net
     regions = getattr(model, "compile_regions", ())
