@@ -19,9 +19,10 @@ readers with a GRU (``gru_steps_on_cpu``) are far above what CUDA launches.
 
 The other cure for launch overhead is ``torch.compile``, which fuses a graph's operations into
 a few kernels; how much it can fuse depends on how many graphs it captures. For each reader the
-script also traces the training forward with TorchDynamo (nothing is compiled) and records the
-graphs, the breaks between them and the distinct reasons (an LSTM or GRU is left to cuDNN
-between graphs; a tensor read as a Python number or a data-dependent shape breaks a graph).
+script also traces the training forward and its loss with TorchDynamo (nothing is compiled) and
+records the graphs, the breaks between them and the distinct reasons (an LSTM or GRU is left to
+cuDNN between graphs; a tensor read as a Python number or a data-dependent shape breaks a
+graph, and on a GPU it is also a host synchronisation).
 Results go to ``benchmarks/results/op_counts.json`` (or ``--out``).
 """
 
@@ -81,15 +82,15 @@ def count(name: str, seq_len: int, tiny: bool) -> dict:
     return {"batch_size": batch_size, "seq_len": seq_len, "ops": sum(kernels.values()),
             "views": views, "top": dict(kernels.most_common(8)),
             "gru_steps_on_cpu": any(isinstance(m, torch.nn.GRU) for m in model.modules()),
-            **graphs(model, batch)}
+            **graphs(lambda b: loss_of(model(b), b), batch)}
 
 
-def graphs(model: torch.nn.Module, batch: dict) -> dict:
-    """How ``torch.compile`` would capture the training forward: its graphs, and the distinct
-    reasons it breaks between them (the first line of each), from TorchDynamo's trace alone
-    (nothing is compiled)."""
+def graphs(forward, batch: dict) -> dict:
+    """How ``torch.compile`` would capture the training forward (the reader and the task's
+    loss): its graphs, and the distinct reasons it breaks between them (the first line of
+    each), from TorchDynamo's trace alone (nothing is compiled)."""
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(batch)
+    explained = torch._dynamo.explain(forward)(batch)
     reasons = sorted({str(r.reason).strip().splitlines()[0] for r in explained.break_reasons})
     torch._dynamo.reset()
     return {"graphs": explained.graph_count, "graph_breaks": explained.graph_break_count,
@@ -104,7 +105,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "op_counts.json"))
     args = p.parse_args(argv)
     results = {"what": "ATen operations of one forward and backward, views apart; the graphs "
-               "torch.compile would capture of the forward",
+               "torch.compile would capture of the training forward and its loss",
                "torch": torch.__version__, "tiny": args.tiny, "models": {}}
     for name in args.models.split(",") if args.models else readers():
         results["models"][name] = count(name, 16 if args.tiny else args.seq_len, args.tiny)

@@ -155,7 +155,7 @@ class SpanNoAnswer(Span):
             return super().objective(out, batch)
         has = batch["has_answer"]
         na = F.binary_cross_entropy_with_logits(out["na_logits"].float(), (~has).float())
-        return na + super().objective(out, batch) if has.any() else na  # mean over none: NaN
+        return na + super().objective(out, batch)  # the span term is 0 without answerables
 
 
 class Choice(Task):

@@ -72,15 +72,23 @@ def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
 
 
 def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
+    """Every reader, counted and traced. No step reads the device back (issue 13): TorchDynamo
+    breaks a graph at each ``.item()``, host read or data-dependent shape, so the only break a
+    training forward and its loss may have is at an LSTM or GRU, which cuDNN runs between
+    graphs."""
     op_counts = load_bringup("op_counts")
     out = tmp_path / "ops.json"
-    result = op_counts.main(["--tiny", "--models", "bidaf,qanet,rnet", "--out", str(out)])
+    result = op_counts.main(["--tiny", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     models = result["models"]
+    assert set(models) == set(load_bringup().readers())
     assert all(m["ops"] > 0 and m["views"] > 0 and m["top"] for m in models.values())
-    assert [m["gru_steps_on_cpu"] for m in models.values()] == [False, False, True]
-    assert (models["qanet"]["graphs"], models["qanet"]["graph_breaks"]) == (1, 0)
-    assert models["bidaf"]["graph_breaks"] > 0 and models["bidaf"]["break_reasons"]
+    assert not models["qanet"]["gru_steps_on_cpu"] and models["rnet"]["gru_steps_on_cpu"]
+    for name in ("qanet", "qanet_na", "dynsan", "dynsan_mc"):
+        assert (models[name]["graphs"], models[name]["graph_breaks"]) == (1, 0), name
+    assert models["bidaf"]["graph_breaks"] > 0
+    for name, m in models.items():
+        assert set(m["break_reasons"]) <= {"Attempted to wrap RNN, GRU, or LSTM"}, name
 
 
 def test_gpu_packing_sums_concurrent_processes_tiny_on_cpu(tmp_path):

@@ -13,7 +13,7 @@ from torch import nn
 from mrc_lib.errors import UserError
 from mrc_lib.models import build_model
 from mrc_lib.models.decaprop import BAC, DecaCore, DecaEnc, FactorizationMachine, build_compressor
-from mrc_lib.models.rnet import GatedAttention, passage_frequency
+from mrc_lib.models.rnet import CharRNN, GatedAttention, passage_frequency
 
 V, N_CHARS = 40, 20
 SMALL = dict(hidden=6, char_dim=4, char_hidden=3, attention_dim=5)
@@ -259,6 +259,20 @@ def test_passage_frequency():
     # 3 occurs twice in 5 passage words, 4 only in padding, 5 once, UNK (1) never counts.
     torch.testing.assert_close(passage_frequency(q, c, c_mask)[0],
                                torch.tensor([0.4, 0.0, 0.2, 0.0, 0.0]))
+
+
+def test_char_rnn_is_each_words_final_states_and_zero_at_padding():
+    torch.manual_seed(0)
+    char_rnn = CharRNN(n_chars=12, char_dim=3, hidden=4).eval()
+    chars = torch.tensor([[[3, 5, 2], [7, 0, 0], [0, 0, 0]], [[4, 4, 4], [9, 1, 0], [6, 0, 0]]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    with torch.no_grad():
+        out = char_rnn(chars, mask)
+        for b, t in mask.nonzero().tolist():  # one word at a time, its real characters only
+            word = chars[b, t][chars[b, t] != 0].unsqueeze(0)
+            states = char_rnn.rnn.layers[0](char_rnn.embed(word))[1]  # [2, 1, 4]
+            torch.testing.assert_close(out[b, t], states.flatten(), rtol=1e-5, atol=1e-6)
+    assert (out[0, 2] == 0).all()
 
 
 def test_input_encoder_sec_3_1(vocab):

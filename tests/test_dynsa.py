@@ -10,6 +10,7 @@ import torch
 from mrc_lib.bench import SyntheticVocab, synthetic_batch
 from mrc_lib.config import TrainConfig
 from mrc_lib.data.choice import PassageSplit, sentence_passages
+from mrc_lib.data.multipassage import passage_mask
 from mrc_lib.models import build_model
 from mrc_lib.models.bibosa import BiBloSABlock
 from mrc_lib.models.dynsa import DynSA, select_tokens
@@ -231,6 +232,9 @@ def test_has_loss_sums_over_every_occurrence():
     torch.testing.assert_close(has_loss(torch.cat([start, start[:1]]), torch.cat([end, end[:1]]),
                                         torch.cat([occ_start, unaligned]),
                                         torch.cat([occ_end, unaligned])), expected)
+    start.requires_grad_()  # the example left out gets no gradient, and no NaN
+    has_loss(start, end, unaligned.expand(2, 3), unaligned.expand(2, 3)).backward()
+    assert torch.equal(start.grad, torch.zeros_like(start))
 
 
 def test_readers_own_loss_uses_the_batch_occurrences_and_the_end_follows_the_start():
@@ -261,7 +265,8 @@ def test_word_vectors_are_fixed_by_default():
 def test_passage_layout_split_and_merge():
     passage = torch.tensor([[0, 0, 0, 1, 1, 2, 0], [0, 1, 1, 1, 1, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0, 0]], dtype=torch.bool)
-    layout = PassageLayout.of(passage, mask)
+    per_passage = torch.from_numpy(passage_mask(passage.numpy(), mask.numpy()))
+    layout = PassageLayout.of(passage, mask, per_passage)
     x = torch.arange(14.0).view(2, 7, 1) + 1
     parts = layout.split(x)
     assert parts.shape == (2 * 3, 4, 1)  # B·M passages of the longest passage's length
@@ -282,7 +287,21 @@ def multi_batch():
     vocab = SyntheticVocab.random(size=600, dim=8)
     batch = synthetic_batch(vocab, 2, 30, question_len=6)
     batch["c_passage"] = (torch.arange(30) // 10).expand(2, 30).clone()
+    batch["c_passage_mask"] = torch.from_numpy(passage_mask(batch["c_passage"].numpy(),
+                                                            batch["c_mask"].numpy()))
     return vocab, batch
+
+
+@pytest.mark.parametrize("passages", ["one", "several"])
+def test_reader_training_step_reads_nothing_back_from_the_device(multi_batch, passages):
+    """No ``.item()``, no length read on the host, no boolean index: TorchDynamo captures the
+    whole training forward in one graph (the layout's shape comes with the batch)."""
+    vocab, batch = multi_batch
+    if passages == "one":
+        batch = {k: v for k, v in batch.items() if not k.startswith("c_passage")}
+    model = small_reader(vocab).train()
+    explained = torch._dynamo.explain(model)(batch)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
 @pytest.mark.parametrize("cross", [True, False])

@@ -94,6 +94,10 @@ def test_multipassage_squad_from_the_fixture(mirror):
         expected = np.concatenate([np.full(e - s, p) for p, (s, e) in
                                    enumerate(train.passage_spans(row))])
         np.testing.assert_array_equal(ids, expected)
+        lengths = [e - s for s, e in train.passage_spans(row)]  # c_passage_mask: the layout
+        assert batch["c_passage_mask"][row].sum(-1).tolist()[:len(lengths)] == lengths
+    assert batch["c_passage_mask"].shape[1:] == (2, max(
+        e - s for i in range(len(train)) for s, e in train.passage_spans(i)))
     # Super_Bowl has two paragraphs, Warsaw one: M = 2 gives 2 and 1 passages.
     assert [len(train.passage_spans(i)) for i in range(len(train))] == [2] * 5 + [1] * 2
     assert statistics(dev)["passages_mean"] == 1.0

@@ -596,6 +596,14 @@ def test_span_loss_is_bidaf_eq6_the_two_ends_summed_and_averaged_over_the_batch(
     torch.testing.assert_close(span_loss(start, end, y1, y2), expected)
     masked = mask_logits(start, lengths_mask([6, 3, 6]))
     assert torch.isfinite(span_loss(masked, end, y1, y2))
+    ignored = torch.tensor([0, -100, 5])  # targets -100 are left out of the mean...
+    torch.testing.assert_close(span_loss(start, end, ignored, ignored),
+                               F.cross_entropy(start, ignored) + F.cross_entropy(end, ignored))
+    none = torch.full((3,), -100)  # ...and a batch without any gives 0, not NaN
+    start.requires_grad_()
+    loss = span_loss(start, end, none, none)
+    loss.backward()
+    assert loss.item() == 0.0 and torch.equal(start.grad, torch.zeros_like(start))
 
 
 def brute_force_span(p_start: torch.Tensor, p_end: torch.Tensor, max_len: int):

@@ -125,7 +125,7 @@ def test_span_na_adds_the_no_answer_bce_only_with_na_logits():
     bce = -(torch.log(1 - p[0]) + torch.log(p[1]) + torch.log(1 - p[2])) / 3
     torch.testing.assert_close(span_na.objective(with_na, batch),
                                span.objective(out, batch) + bce)
-    # No answerable row: the BCE alone (the span NLL over no example would be NaN).
+    # No answerable row: the BCE alone (the span term is 0, where cross-entropy's mean is NaN).
     none = {**batch, "has_answer": torch.zeros(3, dtype=torch.bool)}
     loss = span_na.objective(with_na, none)
     torch.testing.assert_close(loss, F.binary_cross_entropy_with_logits(na, torch.ones(3)))

@@ -26,6 +26,7 @@ import torch
 
 from mrc_lib.data.cloze import PAD, ClozeExample, ClozeSet, cloze_embeddings, load_wiki_cloze
 from mrc_lib.data.dataset import bucketed_batches
+from mrc_lib.data.multipassage import passage_mask
 from mrc_lib.data.vocab import MAX_WORD_CHARS, Vocab
 
 SENTENCE_ENDS = frozenset({".", "!", "?"})
@@ -113,9 +114,9 @@ class PassageSplit(ChoiceSplit):
     """Cloze questions in multi-passage form, encoded with ``vocab`` (word and char ids).
 
     Batch keys: those of a SQuAD batch that an encoder reads (``c_words``, ``c_chars``,
-    ``q_words``, ``q_chars``, masks, ``c_passage``), ``c_feats`` ``[B, L, 1]`` (the candidate
-    flag), ``cand_index`` ``[B, L]`` (each token's candidate, ``-1`` for none), ``cand_mask``
-    ``[B, C]`` and ``answer``.
+    ``q_words``, ``q_chars``, masks, ``c_passage``, ``c_passage_mask``), ``c_feats``
+    ``[B, L, 1]`` (the candidate flag), ``cand_index`` ``[B, L]`` (each token's candidate,
+    ``-1`` for none), ``cand_mask`` ``[B, C]`` and ``answer``.
     """
 
     def __init__(self, examples: Sequence[ClozeExample], vocab: Vocab, name: str):
@@ -169,6 +170,8 @@ class PassageSplit(ChoiceSplit):
             batch["c_passage"][b, :n], batch["cand_index"][b, :n] = r["passage"], r["cand"]
         out = {k: torch.from_numpy(v) for k, v in batch.items()}
         out["c_mask"], out["q_mask"] = out["c_words"] != 0, out["q_words"] != 0
+        out["c_passage_mask"] = torch.from_numpy(passage_mask(batch["c_passage"],
+                                                              batch["c_words"] != 0))
         out["c_feats"] = (out["cand_index"] >= 0).float().unsqueeze(-1)  # candidate feature
         out["cand_mask"] = torch.arange(max(n_cands))[None] < torch.tensor(n_cands)[:, None]
         out["answer"] = torch.tensor([r["answer"] for r in rows])

@@ -12,7 +12,9 @@ most 5,000 tokens as in the paper. ``M = None`` takes the whole article.
 An example's passages are joined (``"\\n\\n"``) into one SQuAD context, its answers shifted
 into the concatenation, so the whole data pipeline (features, batching, official evaluation)
 applies unchanged. Tokens are those of the prepared paragraphs (no re-tokenization); each token
-also carries its passage index, which batches expose as ``c_passage`` ``[B, Lc]``. Every
+also carries its passage index, which batches expose as ``c_passage`` ``[B, Lc]``, with
+``c_passage_mask`` ``[B, M, Lp]`` (:func:`passage_mask`: the batch's layout, so that a reader
+never reads lengths back from the device). Every
 occurrence of the gold answer's tokens (lower-cased) anywhere in the example's passages is
 listed too, for DynSAN's loss over all occurrences (Sec. 3.4.1): batches expose them as
 ``occ_start``/``occ_end`` ``[B, O]`` (``-1`` past an example's count; the gold span is always
@@ -46,10 +48,21 @@ SEPARATOR = "\n\n"
 PASSAGE_COUNTS = (1, 2, 4, 8, None)  # M of Figure 5b; None: all paragraphs of the article
 
 
+def passage_mask(passage: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """``[B, M, Lp]``, True at the real tokens of each passage, from each token's passage
+    ``passage`` ``[B, L]`` (contiguous and in order) and the token mask ``mask`` ``[B, L]``:
+    ``M`` the batch's most passages, ``Lp`` its longest passage (at least 1)."""
+    passage = np.where(mask, passage, 0)
+    lengths = np.zeros((len(passage), int(passage.max(initial=0)) + 1), np.int64)
+    np.add.at(lengths, (np.arange(len(passage))[:, None], passage), mask.astype(np.int64))
+    return np.arange(max(int(lengths.max(initial=0)), 1)) < lengths[..., None]
+
+
 class MultiPassageSplit(Split):
     """A :class:`Split` whose batches also hold ``c_passage`` ``[B, Lc]`` (long): the rank
-    position of each token's passage, 0 at padding; and ``occ_start``/``occ_end`` ``[B, O]``:
-    the token spans of every occurrence of the answer, ``-1``-padded."""
+    position of each token's passage, 0 at padding; ``c_passage_mask`` ``[B, M, Lp]``
+    (:func:`passage_mask`); and ``occ_start``/``occ_end`` ``[B, O]``: the token spans of every
+    occurrence of the answer, ``-1``-padded."""
 
     def subset(self, index: np.ndarray) -> MultiPassageSplit:
         return MultiPassageSplit(self.name, self.a, self.text, self.forms,
@@ -63,6 +76,7 @@ class MultiPassageSplit(Split):
         token = np.minimum(start[:, None] + np.arange(mask.shape[1]), len(self.a["ctx_form"]) - 1)
         passage = np.where(mask, self.a["ctx_passage"][token], 0)
         batch["c_passage"] = torch.from_numpy(passage.astype(np.int64))
+        batch["c_passage_mask"] = torch.from_numpy(passage_mask(passage, mask))
         batch["occ_start"], batch["occ_end"] = self._occurrences(self.index[pos],
                                                                  mask.sum(1))
         return batch

@@ -30,8 +30,10 @@ end on one start position (``p^e(j | i)``) is the other reading; it needs one en
 candidate start. No paragraph quality estimator, as in the paper.
 
 A batch holds the passages concatenated as one context; ``c_passage`` ``[B, Lc]`` (from
-:mod:`mrc_lib.data.multipassage`) gives each token's passage (absent: one passage, plain SQuAD).
-Layers 1-3 run on the passages cut apart into a ``[B·M, Lp]`` batch, layer 4 on the whole.
+:mod:`mrc_lib.data.multipassage`) gives each token's passage and ``c_passage_mask``
+``[B, M, Lp]`` the real tokens of each (absent: one passage, plain SQuAD). Layers 1-3 run on
+the passages cut apart into a ``[B·M, Lp]`` batch, layer 4 on the whole. No step reads a
+length or a count back from the device.
 
 Switches: ``block`` replaces every DynSA block by a Bi-LSTM (``"bilstm"``), QANet's full
 self-attention encoder block (``"fullsan"``) or Bi-BloSA (``"bibosa"``,
@@ -72,39 +74,42 @@ class PassageLayout:
     """Where each token of a concatenated context sits: passage ``p`` and position ``j`` in it.
 
     Passages are contiguous and in order, so ``j = t − offset[p]``. :meth:`split` cuts
-    ``[B, L, ·]`` into a ``[B·M, Lp, ·]`` batch of passages; :meth:`merge` puts it back.
+    ``[B, L, ·]`` into a ``[B·M, Lp, ·]`` batch of passages; :meth:`merge` puts it back. ``M``
+    and ``Lp`` are the shape of ``per_passage``, which the batch brings
+    (:func:`mrc_lib.data.multipassage.passage_mask`): nothing is read back from the device.
     """
 
     passage: Tensor  # [B, L] long
     position: Tensor  # [B, L] long
     mask: Tensor  # [B, L] bool
-    lengths: Tensor  # [B, M] tokens per passage
+    per_passage: Tensor  # [B, M, Lp] bool: the real tokens of each passage
 
     @classmethod
-    def of(cls, passage: Tensor, mask: Tensor) -> PassageLayout:
+    def of(cls, passage: Tensor, mask: Tensor, per_passage: Tensor) -> PassageLayout:
         passage = passage.masked_fill(~mask, 0)
-        M = int(passage.max()) + 1
-        lengths = passage.new_zeros(passage.shape[0], M).scatter_add_(1, passage, mask.long())
+        lengths = per_passage.sum(-1)  # [B, M]
         offsets = lengths.cumsum(1) - lengths
         position = torch.arange(passage.shape[1], device=passage.device) - offsets.gather(1,
                                                                                           passage)
-        return cls(passage, position.masked_fill(~mask, 0), mask, lengths)
+        return cls(passage, position.masked_fill(~mask, 0), mask, per_passage)
+
+    @classmethod
+    def single(cls, mask: Tensor) -> PassageLayout:
+        """One passage per context (plain SQuAD): ``M = 1``, ``Lp = L``."""
+        return cls.of(torch.zeros_like(mask, dtype=torch.long), mask, mask.unsqueeze(1))
 
     @property
     def passages(self) -> int:
-        return self.lengths.shape[1]
+        return self.per_passage.shape[1]
 
     @property
     def passage_mask(self) -> Tensor:
         """``[B·M, Lp]``: True at the real tokens of each passage."""
-        Lp = max(int(self.lengths.max()), 1)
-        return (torch.arange(Lp, device=self.lengths.device) < self.lengths.unsqueeze(-1)
-                ).flatten(0, 1)
+        return self.per_passage.flatten(0, 1)
 
     def split(self, x: Tensor) -> Tensor:
         """``[B, L, *]`` to ``[B·M, Lp, *]``; padding lands in a spare slot that is dropped."""
-        B, M = self.lengths.shape
-        Lp = max(int(self.lengths.max()), 1)
+        B, M, Lp = self.per_passage.shape
         out = x.new_zeros(B, M, Lp + 1, *x.shape[2:])
         b = torch.arange(B, device=x.device).unsqueeze(1).expand_as(self.passage)
         j = self.position.masked_fill(~self.mask, Lp)
@@ -113,7 +118,7 @@ class PassageLayout:
 
     def merge(self, y: Tensor) -> Tensor:
         """``[B·M, Lp, *]`` back to ``[B, L, *]``, zero at padding."""
-        B, M = self.lengths.shape
+        B, M, _ = self.per_passage.shape
         y = y.unflatten(0, (B, M))
         b = torch.arange(B, device=y.device).unsqueeze(1)
         out = y[b, self.passage, self.position]
@@ -152,9 +157,12 @@ def has_loss(start_logits: Tensor, end_logits: Tensor, occ_start: Tensor,
     log_s, log_e = start_logits.log_softmax(-1), end_logits.log_softmax(-1)
     valid = occ_start >= 0
     terms = (log_s.gather(1, occ_start.clamp(min=0)) + log_e.gather(1, occ_end.clamp(min=0)))
-    log_p = terms.masked_fill(~valid, float("-inf")).logsumexp(-1)
-    answered = valid.any(-1)
-    return -log_p[answered].sum() / answered.sum().clamp(min=1)
+    answered = valid.any(-1, keepdim=True)
+    # An example without occurrences gets the finite logsumexp of zeros, then weight 0 (a
+    # boolean index would read its count back from the device).
+    log_p = terms.masked_fill(~valid, float("-inf")).masked_fill(~answered, 0.0).logsumexp(-1)
+    answered = answered.squeeze(-1)
+    return -(log_p * answered).sum() / answered.sum().clamp(min=1)
 
 
 def occurrences(batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
@@ -188,9 +196,7 @@ class DynSAN(nn.Module):
     """
 
     FEATURES = False  # the context side gets the batch's ``c_feats`` (vocab.n_feats of them)
-    # compile=true compiles each block (train.compiled): the passage layout around them reads
-    # lengths on the host, which breaks a graph of the whole reader.
-    compile_regions = (DynSA, EncoderBlock)
+    compile_regions = (DynSA, EncoderBlock)  # compile=true compiles each block (train.compiled)
 
     def __init__(self, vocab, *, d_model: int = 128, heads: int = 8, top_k: int = 256,
                  num_blocks: int = 4, num_convs: int = 2, kernel_size: int = 7,
@@ -267,8 +273,11 @@ class DynSAN(nn.Module):
     def encode(self, batch: dict[str, Tensor]) -> Encoding:
         """Layers 1-4: ``S``, the output of the cross-passage attention layer."""
         c_mask, q_mask = batch["c_mask"], batch["q_mask"]
-        passage = batch.get("c_passage", torch.zeros_like(batch["c_words"]))
-        layout = PassageLayout.of(passage, c_mask)
+        if "c_passage" in batch:
+            layout = PassageLayout.of(batch["c_passage"], c_mask, batch["c_passage_mask"])
+        else:
+            layout = PassageLayout.single(c_mask)
+        passage = layout.passage
         p_mask, M = layout.passage_mask, layout.passages
         enc = Encoding(None, layout, c_mask, None, [], [])
         # Layers 1-2: passages [B·M, Lp, D] and question [B, Lq, D].

@@ -45,8 +45,10 @@ LOWER_MATCH, TERM_FREQUENCY = 1, 3
 
 class CharRNN(nn.Module):
     """Character-level word vectors: the final states of a BiRNN over each word's characters
-    (R-NET Sec. 3.1; DecaProp Sec. 3.1). ``[B, L, W]`` char ids to ``[B, L, 2·hidden]``; only the
-    real tokens of ``mask`` are read, the others get zero vectors."""
+    (R-NET Sec. 3.1; DecaProp Sec. 3.1). ``[B, L, W]`` char ids to ``[B, L, 2·hidden]``; the
+    tokens outside ``mask`` get zero vectors. Every position goes through the RNN, padding
+    too (length-bucketed batches have little), so that no count is read back from the
+    device."""
 
     def __init__(self, n_chars: int, char_dim: int, hidden: int, cell: str = "gru",
                  dropout: float = 0.0) -> None:
@@ -56,11 +58,9 @@ class CharRNN(nn.Module):
         self.out_dim = 2 * hidden
 
     def forward(self, chars: Tensor, mask: Tensor) -> Tensor:
-        words = chars[mask]  # [N, W]: the real tokens only
-        final = self.rnn.final_states(self.embed(words), words != 0)  # [N, 2·hidden]
-        out = final.new_zeros(*mask.shape, self.out_dim)
-        out[mask] = final
-        return out
+        words = chars.flatten(0, 1)  # [B·L, W]
+        final = self.rnn.final_states(self.embed(words), words != 0)  # [B·L, 2·hidden]
+        return final.view(*mask.shape, self.out_dim).masked_fill(~mask.unsqueeze(-1), 0.0)
 
 
 def passage_frequency(q_words: Tensor, c_words: Tensor, c_mask: Tensor) -> Tensor:

@@ -88,8 +88,10 @@ class AnswerModule(nn.Module):
         if not self.training or self.step_dropout == 0.0:
             return keep
         keep = keep.bernoulli_(1.0 - self.step_dropout)
-        keep[keep.sum(1) == 0, torch.randint(self.steps, ()).item()] = 1.0
-        return keep
+        # A row that dropped every step keeps one, drawn once on the host for all such rows.
+        none = keep.sum(1, keepdim=True) == 0
+        step = torch.arange(self.steps, device=keep.device) == torch.randint(self.steps, ())
+        return keep.masked_fill_(none & step, 1.0)
 
 
 @register("san")

@@ -10,9 +10,17 @@ def span_loss(start_logits: Tensor, end_logits: Tensor, y1: Tensor, y2: Tensor) 
     log-likelihoods summed and averaged over the batch (targets ``-100`` are left out of the
     mean). Logits are ``[B, L]`` and already masked. The sum, not the mean of the two, is what
     the papers train: it sets the gradient's scale, which gradient clipping and Adadelta (whose
-    step is proportional to the gradient while its accumulators are below ``ε``) see.
+    step is proportional to the gradient while its accumulators are below ``ε``) see. A batch
+    without any target gives 0 (cross-entropy's own mean would be NaN), and no count is read
+    back from the device.
     """
-    return F.cross_entropy(start_logits, y1) + F.cross_entropy(end_logits, y2)
+    return _mean_nll(start_logits, y1) + _mean_nll(end_logits, y2)
+
+
+def _mean_nll(logits: Tensor, target: Tensor) -> Tensor:
+    """Cross-entropy's mean over the targets other than ``-100``; 0 if there are none."""
+    kept = (target != -100).sum().clamp(min=1)
+    return F.cross_entropy(logits, target, reduction="sum") / kept
 
 
 def decode_span(p_start: Tensor, p_end: Tensor, max_len: int) -> tuple[Tensor, Tensor, Tensor]:
