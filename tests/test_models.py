@@ -1,4 +1,5 @@
-"""Tests for the model registry and the BiDAF and QANet readers, on a tiny random vocabulary."""
+"""Tests for the model registry and the BiDAF and QANet readers, on a tiny random vocabulary,
+and of every registered reader's masking."""
 
 from types import SimpleNamespace
 
@@ -6,6 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from mrc_lib.bench import SyntheticVocab, synthetic_batch
+from mrc_lib.config import resolve_config
+from mrc_lib.data.multipassage import passage_mask
 from mrc_lib.errors import UserError
 from mrc_lib.models import MODELS, build_model, hparam_defaults
 from mrc_lib.nn import span_loss
@@ -194,3 +198,76 @@ def test_overfits_a_tiny_batch(name, steps):
     out = model(batch)
     assert torch.equal(out["start_logits"].argmax(-1), batch["y1"])
     assert torch.equal(out["end_logits"].argmax(-1), batch["y2"])
+
+
+# --- every reader ------------------------------------------------------------------------------
+
+# Sequence keys of a batch by side, and the value their padding holds (-1: "no candidate").
+SIDES = {"context": ("c_", "doc_"), "question": ("q_", "query_")}
+PAD_VALUE = {"cand_index": -1}
+# Outputs compared at the real positions: logits over the context, per-question scores, the
+# context-to-question attention.
+COMPARED = ("start_logits", "end_logits", "na_logits", "candidate_log_probs", "attention")
+
+
+def ragged_batch(vocab, lengths, passages: int = 0) -> dict[str, torch.Tensor]:
+    """A synthetic batch (every key a reader reads) whose rows have the (context, question)
+    ``lengths``, zero ids past them; ``passages`` > 0 splits each context into that many
+    passages (DynSAN's multi-passage layout)."""
+    Lc, Lq = max(c for c, _ in lengths), max(q for _, q in lengths)
+    b = synthetic_batch(vocab, len(lengths), Lc, question_len=Lq, seed=1)
+    for i, (lc, lq) in enumerate(lengths):
+        for side, n in (("context", lc), ("question", lq)):
+            for key, v in b.items():
+                if key.startswith(SIDES[side]) and v.dim() >= 2:
+                    v[i, n:] = 0
+        b["cand_index"][i, lc:] = -1
+    if passages:
+        per = torch.arange(Lc) * passages // Lc
+        b["c_passage"] = per.expand(len(lengths), Lc).where(b["c_mask"], 0).contiguous()
+        b["c_passage_mask"] = torch.from_numpy(
+            passage_mask(b["c_passage"].numpy(), b["c_mask"].numpy()))
+    return b
+
+
+def with_padding(batch: dict, extra_c: int, extra_q: int) -> dict:
+    """``batch`` with ``extra_c`` more context and ``extra_q`` more question positions, all
+    padding."""
+    out = {}
+    for key, v in batch.items():
+        extra = (extra_c if key.startswith(SIDES["context"]) or key == "cand_index" else
+                 extra_q if key.startswith(SIDES["question"]) else 0)
+        if extra and v.dim() >= 2 and key != "c_passage_mask":
+            v = torch.cat([v, v.new_full((v.shape[0], extra, *v.shape[2:]),
+                                         PAD_VALUE.get(key, 0))], 1)
+        out[key] = v
+    if "c_passage" in out:
+        out["c_passage_mask"] = torch.from_numpy(
+            passage_mask(out["c_passage"].numpy(), out["c_mask"].numpy()))
+    return out
+
+
+@pytest.mark.parametrize("name, passages", [(n, 0) for n in sorted(MODELS)] + [("dynsan", 3)])
+def test_every_reader_gives_each_question_the_same_output_whatever_its_padding(name, passages):
+    """Evaluation sorts questions by length and pads each batch to its longest: an eval-mode
+    reader (the smoke profile's sizes) must give a row the same outputs at its real positions
+    whether its batch is padded to its own length or further."""
+    vocab = SyntheticVocab.random(size=600, dim=8)
+    torch.manual_seed(0)
+    model = build_model(name, vocab, **resolve_config(name, profile="smoke").hparams).eval()
+    lengths = [(23, 7), (12, 4), (17, 6)]
+    batch = ragged_batch(vocab, lengths, passages)
+    padded = with_padding(batch, 9, 5)
+    with torch.no_grad():
+        a, b = model(batch), model(padded)
+    compared = [key for key in COMPARED if key in a]
+    assert compared, f"{name} returns none of {COMPARED}"
+    for key in compared:
+        x, y = a[key], b[key][tuple(slice(0, n) for n in a[key].shape)]
+        if key in ("start_logits", "end_logits"):
+            keep = batch["c_mask"]
+        elif key == "attention" and x.dim() == 3:
+            keep = batch["c_mask"].unsqueeze(2) & batch["q_mask"].unsqueeze(1)
+        else:
+            keep = torch.isfinite(x)
+        torch.testing.assert_close(y[keep], x[keep], rtol=1e-4, atol=1e-5, msg=f"{name} {key}")
