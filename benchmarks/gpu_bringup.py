@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_bringup.py                      # CUDA, full-profile sizes
     python benchmarks/gpu_bringup.py --compile            # also through torch.compile
+    python benchmarks/gpu_bringup.py --compile --compile-mode reduce-overhead  # CUDA graphs
     python benchmarks/gpu_bringup.py --device cpu --tiny  # the script's own check (CI)
 
 For each reader of :data:`mrc_lib.models.MODELS` that the full profile configures, at its full
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mrc_lib.bench import SQUAD_TRAIN_EXAMPLES, setup, time_steps  # noqa: E402
+from mrc_lib.config import CHOICES  # noqa: E402
 from mrc_lib.models import MODELS  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     compiled,
@@ -69,12 +71,15 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
 
 
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
-            compile_: bool) -> dict:
-    """One reader's bring-up: a checked training step, then speeds and peak memory."""
+            compile_mode: str | None) -> dict:
+    """One reader's bring-up: a checked training step, then speeds and peak memory; through
+    :func:`torch.compile` in ``compile_mode`` unless it is ``None``."""
     overrides = [f"device={device}"] + (["batch_size=2"] if tiny else [])
+    if compile_mode is not None:
+        overrides += ["compile=true", f"compile_mode={compile_mode}"]
     s = setup(name, "smoke" if tiny else "full", overrides, 2_000 if tiny else None)
     cfg, dev, model = s.cfg, s.device, s.model
-    net = compiled(model) if compile_ else model
+    net = compiled(model, mode=cfg.compile_mode) if cfg.compile else model
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
@@ -107,6 +112,8 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="smoke-size readers: checks the script")
     p.add_argument("--compile", action="store_true", help="train and infer via torch.compile")
+    p.add_argument("--compile-mode", default="default", choices=CHOICES["compile_mode"],
+                   help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
     p.add_argument("--seq-len", default="400,140", help="context lengths, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
@@ -118,13 +125,14 @@ def main(argv=None) -> dict:
     device = device_name(dev)
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"gpu_{slug(device)}.json")
     results = {"device": device, "torch": torch.__version__,
-               "cuda": torch.version.cuda, "compile": args.compile, "tiny": args.tiny,
+               "cuda": torch.version.cuda, "compile": args.compile,
+               "compile_mode": args.compile_mode if args.compile else None, "tiny": args.tiny,
                "seq_lens": seq_lens, "steps": steps, "models": {}}
     for name in args.models.split(",") if args.models else readers():
         tic = time.perf_counter()
         try:
             results["models"][name] = measure(name, args.device, seq_lens, steps, args.tiny,
-                                              args.compile)
+                                              args.compile_mode if args.compile else None)
         except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
             results["models"][name] = {"error": f"{type(e).__name__}: {e}",
                                        "traceback": traceback.format_exc(limit=-3)}

@@ -27,6 +27,7 @@ from mrc_lib.train import (
     build_optimizer,
     count_parameters,
     device_name,
+    new_graph_step,
     peak_memory_bytes,
     resolve_device,
     train_step,
@@ -127,6 +128,7 @@ def time_steps(net: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Te
 
     @torch.no_grad()
     def infer_once():
+        new_graph_step(cfg)
         with autocast(cfg, dev):
             net(batch)
 

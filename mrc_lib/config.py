@@ -32,6 +32,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "plateau_metric": ("f1", "em"),
     "task": ("span", "span_na", "cloze", "multiple_choice"),
+    "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
 }
 SPAN_TASKS = ("span", "span_na")  # the tasks whose answer is a span of the context
 # Each dataset's own task (mrc_lib.tasks), the default of TrainConfig.task.
@@ -92,6 +93,12 @@ class TrainConfig:
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
         bf16: bfloat16 autocast for forward passes (CUDA only; ignored on CPU).
         compile: wrap the model in :func:`torch.compile` for training.
+        compile_mode: :func:`torch.compile`'s ``mode`` with ``compile``: ``reduce-overhead``
+            replays each compiled graph as a CUDA graph (one recording per batch shape: use it
+            with ``pad_multiple``).
+        pad_multiple: pad each training batch's context and question lengths up to a multiple
+            of this (1: to the batch's longest), so that a few shapes recur; outputs at the real
+            positions are unchanged, only the extra padding costs work.
         checkpoint_every: also write a checkpoint every this many steps (one is always written
             at the end of each epoch); ``None``: only at epoch ends.
         log_every: write the mean training loss to ``log.jsonl`` every this many steps.
@@ -130,6 +137,8 @@ class TrainConfig:
     device: str = "auto"
     bf16: bool = False
     compile: bool = False
+    compile_mode: str = "default"
+    pad_multiple: int = 1
     checkpoint_every: int | None = None
     log_every: int = 50
     max_answer_len: int = 15
@@ -144,6 +153,8 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise UserError(f"config {name}={getattr(self, name)!r}: expected one of "
                                 f"{', '.join(allowed)}")
+        if self.pad_multiple < 1:
+            raise UserError(f"config pad_multiple={self.pad_multiple}: expected 1 or more")
 
     def to_dict(self) -> dict:
         """A JSON-ready copy (``config.json``)."""

@@ -55,6 +55,7 @@ from mrc_lib.checkpoint import (
     set_rng_state,
 )
 from mrc_lib.config import SPAN_TASKS, TrainConfig, apply_overrides, resolve_config
+from mrc_lib.data.dataset import pad_lengths
 from mrc_lib.data.vocab import Vocab
 from mrc_lib.errors import UserError
 from mrc_lib.inference import autocast, predict_spans, to_device
@@ -65,7 +66,7 @@ from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
 
 # Config keys that may differ when a run is resumed; any other change is refused.
 RESUMABLE_CHANGES = {"epochs", "max_steps", "checkpoint_every", "log_every", "eval_batch_size",
-                     "device", "compile"}
+                     "device", "compile", "compile_mode", "pad_multiple"}
 
 
 # --- weight averaging and learning-rate schedule -----------------------------------------------
@@ -199,10 +200,11 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
                 fused=device.type == "cuda")
 
 
-def compiled(model: nn.Module, net: nn.Module | None = None) -> nn.Module:
+def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "default") -> nn.Module:
     """``model`` (run as ``net``, ``model`` itself by default) for training through
-    :func:`torch.compile`, with symbolic shapes from the first call: lengths change from batch
-    to batch, and one compilation serves them all.
+    :func:`torch.compile` in ``mode`` (a :data:`mrc_lib.config.CHOICES` ``compile_mode``), with
+    symbolic shapes from the first call: lengths change from batch to batch, and one
+    compilation serves them all.
 
     A reader that names its repeated blocks in ``compile_regions`` gets each of those modules
     compiled in place (regional compilation: one graph per kind of block, which its copies
@@ -210,13 +212,21 @@ def compiled(model: nn.Module, net: nn.Module | None = None) -> nn.Module:
     is; any other reader's ``net`` is compiled whole.
     """
     net = model if net is None else net
+    options = {"dynamic": True, "mode": None if mode == "default" else mode}
     regions = getattr(model, "compile_regions", ())
     if not regions:
-        return torch.compile(net, dynamic=True)
+        return torch.compile(net, **options)
     for module in model.modules():
         if isinstance(module, regions):
-            module.compile(dynamic=True)
+            module.compile(**options)
     return net
+
+
+def new_graph_step(cfg: TrainConfig) -> None:
+    """Under CUDA graphs (``compile_mode: reduce-overhead``), mark the start of a step: the
+    graphs' outputs of the previous one may be overwritten from here on."""
+    if cfg.compile and cfg.compile_mode == "reduce-overhead":
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 # --- one step -----------------------------------------------------------------------------------
@@ -227,6 +237,7 @@ def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.
     """Forward, the task's loss, backward, gradient clipping and one optimizer step on a batch
     already on ``device``; returns the loss, detached but left on the device (no
     synchronization)."""
+    new_graph_step(cfg)
     with autocast(cfg, device):
         out = net(batch)
     loss = get_task(cfg.task).loss(out, batch)
@@ -346,7 +357,7 @@ class Trainer:
             self.net = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if cfg.compile:
-            self.net = compiled(self.model, self.net)
+            self.net = compiled(self.model, self.net, cfg.compile_mode)
         # Each process draws its own dropout masks.
         torch.manual_seed(cfg.seed + process.rank)
         self.progress = Progress()
@@ -475,8 +486,8 @@ class Trainer:
     def _step(self, batch: dict[str, Tensor]) -> Tensor:
         """One optimizer step, then the schedule and the average; returns the loss, left on
         the device."""
-        loss = train_step(self.net, to_device(batch, self.device), self.optimizer, self.cfg,
-                          self.device)
+        batch = to_device(pad_lengths(batch, self.cfg.pad_multiple), self.device)
+        loss = train_step(self.net, batch, self.optimizer, self.cfg, self.device)
         self.schedule.step()
         if self.ema is not None:
             self.ema.update(self.model)
@@ -533,6 +544,7 @@ class Trainer:
                   "lr": self.schedule.lr, "seconds": progress.train_seconds}
         if self.process.is_main:
             tic = time.perf_counter()
+            new_graph_step(self.cfg)  # evaluation's graphs are not the training step's
             with averaged(self.model, self.ema):
                 dev = task.evaluate(self.model, self.data.splits["dev"], self.cfg, self.device)
                 self._write_outputs(dev.files)

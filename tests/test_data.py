@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from mrc_lib.bench import SyntheticVocab, synthetic_batch
 from mrc_lib.cli import main
 from mrc_lib.data import encode_texts, load_prepared, prepare
-from mrc_lib.data.dataset import pack_offsets, unpack_offsets
+from mrc_lib.data.dataset import pack_offsets, pad_lengths, unpack_offsets
 from mrc_lib.data.text import QUESTION_TYPES, Tokenizer, char_to_token_span, question_type
 from mrc_lib.data.vocab import PAD, UNK
 from mrc_lib.errors import UserError
@@ -275,3 +276,20 @@ def test_parallel_tokenization_equals_serial(monkeypatch):
     serial, parallel = tok.all(texts, processes=1), tok.all(texts, processes=2)
     assert [t.words for t in serial] == [t.words for t in parallel]
     assert all(np.array_equal(a.starts, b.starts) for a, b in zip(serial, parallel))
+
+
+def test_pad_lengths_rounds_every_context_and_question_key_up_with_padding():
+    batch = synthetic_batch(SyntheticVocab.random(size=600, dim=4), 2, 21, question_len=5)
+    batch["c_passage_mask"] = torch.ones(2, 3, 7, dtype=torch.bool)
+    assert all(pad_lengths(batch, 1)[k] is v for k, v in batch.items())
+    padded = pad_lengths(batch, 8)
+    for key, v in batch.items():
+        p = padded[key]
+        if key.startswith(("c_", "doc_", "cand_index")) and key != "c_passage_mask":
+            assert p.shape == (2, 24, *v.shape[2:]), key
+            assert torch.equal(p[:, :21], v), key
+            assert (p[:, 21:] == (-1 if key == "cand_index" else 0)).all(), key
+        elif key.startswith(("q_", "query_")) and v.dim() >= 2:
+            assert p.shape == (2, 8, *v.shape[2:]) and (p[:, 5:] == 0).all(), key
+        else:
+            assert p is v, key  # per-question keys, candidates, passage lengths

@@ -184,6 +184,8 @@ def test_a_bare_machine_restores_the_inbox_and_a_kept_folder_wins(tmp_path):
 def test_set_may_change_only_keys_outside_the_config_hash(tiny_queue, tmp_path, capsys):
     assert queue.check_settings(["compile=true", "device=cuda"]) == ("compile=true",
                                                                       "device=cuda")
+    cuda_graphs = ["compile_mode=reduce-overhead", "pad_multiple=32"]
+    assert queue.check_settings(cuda_graphs) == tuple(cuda_graphs)
     with pytest.raises(UserError, match=r"--set lr=1: only device, compile"):
         queue.check_settings(["compile=true", "lr=1"])
     assert main(["queue", "run", "--file", tiny_queue, "--out", str(tmp_path / "q"),

@@ -369,6 +369,22 @@ def test_resume_extends_a_finished_run_and_refuses_other_changes(tmp_path, data)
         engine.train(toy_config(), tmp_path / "empty", resume=True, data=data)
 
 
+def test_padding_batches_to_a_multiple_trains_the_same(tmp_path, data):
+    """``pad_multiple`` only adds padding: a reader that masks it (and no dropout, whose masks
+    would be drawn over more positions) has the same losses and dev scores. Weights are not
+    compared: the toy's biases have a true gradient of 0, and Adam scales its rounding noise,
+    which the longer sums change, up to a full step."""
+    off = {"hparams": {"dropout": 0.0}}
+    plain = engine.train(toy_config(epochs=2, **off), tmp_path / "plain", data=data)
+    padded = engine.train(toy_config(epochs=2, pad_multiple=16, **off), tmp_path / "padded",
+                          data=data)
+    for a, b in zip(padded["history"], plain["history"], strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4)
+        assert a["dev"] == pytest.approx(b["dev"])
+    with pytest.raises(UserError, match="pad_multiple=0"):
+        toy_config(pad_multiple=0)
+
+
 def test_max_steps_stops_mid_epoch(tmp_path, data):
     metrics = engine.train(toy_config(max_steps=6), tmp_path, data=data)
     assert metrics["steps"] == 6 and [h["step"] for h in metrics["history"]] == [4, 6]
@@ -565,3 +581,30 @@ def test_compile_compiles_a_readers_regions_in_place_or_the_whole_reader():
         assert model._compiled_call_impl is None and list(model.state_dict()) == keys
     bidaf = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
     assert isinstance(engine.compiled(bidaf), torch._dynamo.eval_frame.OptimizedModule)
+
+
+def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatch):
+    """``compile_mode`` is torch.compile's ``mode`` (``default``: its own default, None), for a
+    whole reader and for regions; under ``reduce-overhead`` every training step marks a new
+    CUDA-graph step."""
+    from mrc_lib.bench import SyntheticVocab, synthetic_batch
+
+    calls, steps = [], []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(kw) or fn)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    vocab = SyntheticVocab.random(size=2_000)
+    for name in ("bidaf", "qanet"):
+        model = build_model(name, vocab, **resolve_config(name, profile="smoke").hparams)
+        for mode in ("default", "reduce-overhead"):
+            engine.compiled(model, mode=mode)
+    assert {kw["mode"] for kw in calls} == {None, "reduce-overhead"}
+    assert all(kw["dynamic"] for kw in calls)
+    model = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
+    batch = synthetic_batch(vocab, 2, 9)
+    for compile_mode, marks in (("default", 0), ("reduce-overhead", 1)):
+        cfg = resolve_config("bidaf", profile="smoke",
+                             overrides=["compile=true", f"compile_mode={compile_mode}"])
+        steps.clear()
+        engine.train_step(model, batch, engine.build_optimizer(cfg, model, torch.device("cpu")),
+                          cfg, torch.device("cpu"))
+        assert len(steps) == marks

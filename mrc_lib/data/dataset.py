@@ -310,6 +310,33 @@ def bucketed_batches(lengths: np.ndarray, batch_size: int, *, shuffle: bool, see
     return [batches[k] for k in rng.permutation(len(batches))]
 
 
+# The keys of every task's batches that run along the context (a document) and the question
+# (a query): ``pad_lengths`` lengthens them with padding; ``FILL`` gives a key's padding value
+# where it is not 0 (``cand_index``: -1, no candidate). ``c_passage_mask`` holds passage
+# lengths, not the context's, and keeps its shape.
+CONTEXT_KEYS, QUESTION_KEYS = ("c_", "doc_", "cand_index"), ("q_", "query_")
+FILL = {"cand_index": -1}
+
+
+def pad_lengths(batch: Mapping[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+    """``batch`` with its context and question lengths rounded up to a multiple of
+    ``multiple`` by more padding (``multiple`` 1: unchanged), so that batch shapes recur. Keys
+    are matched by :data:`CONTEXT_KEYS` and :data:`QUESTION_KEYS` prefixes, and padded along
+    their second axis."""
+    out = dict(batch)
+    if multiple <= 1:
+        return out
+    for key, v in batch.items():
+        along_context = key.startswith(CONTEXT_KEYS) and key != "c_passage_mask"
+        if v.dim() < 2 or not (along_context or key.startswith(QUESTION_KEYS)):
+            continue
+        extra = -v.shape[1] % multiple
+        if extra:
+            out[key] = torch.cat([v, v.new_full((v.shape[0], extra, *v.shape[2:]),
+                                                FILL.get(key, 0))], 1)
+    return out
+
+
 def pack_offsets(ptr, starts, ends) -> tuple[np.ndarray, np.ndarray]:
     """Character offsets as (gap before each token, token length): small numbers that
     compress ~10x better than absolute offsets."""
