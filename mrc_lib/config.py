@@ -96,9 +96,9 @@ class TrainConfig:
         compile_mode: :func:`torch.compile`'s ``mode`` with ``compile``: ``reduce-overhead``
             replays each compiled graph as a CUDA graph (one recording per batch shape: use it
             with ``pad_multiple``).
-        pad_multiple: pad each training batch's context and question lengths up to a multiple
-            of this (1: to the batch's longest), so that a few shapes recur; outputs at the real
-            positions are unchanged, only the extra padding costs work.
+        pad_multiple: pad each training batch's context, question and passage lengths up to a
+            multiple of this (1: to the batch's longest), so that a few shapes recur; outputs at
+            the real positions are unchanged, only the extra padding costs work.
         checkpoint_every: also write a checkpoint every this many steps (one is always written
             at the end of each epoch); ``None``: only at epoch ends.
         log_every: write the mean training loss to ``log.jsonl`` every this many steps.

@@ -278,18 +278,20 @@ def test_parallel_tokenization_equals_serial(monkeypatch):
     assert all(np.array_equal(a.starts, b.starts) for a, b in zip(serial, parallel))
 
 
-def test_pad_lengths_rounds_every_context_and_question_key_up_with_padding():
+def test_pad_lengths_rounds_every_context_question_and_passage_length_up_with_padding():
     batch = synthetic_batch(SyntheticVocab.random(size=600, dim=4), 2, 21, question_len=5)
     batch["c_passage_mask"] = torch.ones(2, 3, 7, dtype=torch.bool)
     assert all(pad_lengths(batch, 1)[k] is v for k, v in batch.items())
     padded = pad_lengths(batch, 8)
     for key, v in batch.items():
         p = padded[key]
-        if key.startswith(("c_", "doc_", "cand_index")) and key != "c_passage_mask":
+        if key == "c_passage_mask":
+            assert p.shape == (2, 3, 8) and p[..., :7].all() and not p[..., 7:].any()
+        elif key.startswith(("c_", "doc_", "cand_index")):
             assert p.shape == (2, 24, *v.shape[2:]), key
             assert torch.equal(p[:, :21], v), key
             assert (p[:, 21:] == (-1 if key == "cand_index" else 0)).all(), key
         elif key.startswith(("q_", "query_")) and v.dim() >= 2:
             assert p.shape == (2, 8, *v.shape[2:]) and (p[:, 5:] == 0).all(), key
         else:
-            assert p is v, key  # per-question keys, candidates, passage lengths
+            assert p is v, key  # per-question keys, candidates

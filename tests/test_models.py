@@ -245,6 +245,8 @@ def test_every_reader_gives_each_question_the_same_output_whatever_its_padding(n
     batch = ragged_batch(vocab, lengths, passages)
     padded = pad_lengths(batch, 16)
     assert padded["c_mask"].shape[1] == 32 and padded["q_mask"].shape[1] == 16
+    if passages:
+        assert padded["c_passage_mask"].shape[-1] == 16
     with torch.no_grad():
         a, b = model(batch), model(padded)
     compared = [key for key in COMPARED if key in a]

@@ -312,28 +312,29 @@ def bucketed_batches(lengths: np.ndarray, batch_size: int, *, shuffle: bool, see
 
 # The keys of every task's batches that run along the context (a document) and the question
 # (a query): ``pad_lengths`` lengthens them with padding; ``FILL`` gives a key's padding value
-# where it is not 0 (``cand_index``: -1, no candidate). ``c_passage_mask`` holds passage
-# lengths, not the context's, and keeps its shape.
+# where it is not 0 (``cand_index``: -1, no candidate). ``c_passage_mask`` ``[B, M, Lp]`` runs
+# along a passage (its last axis).
 CONTEXT_KEYS, QUESTION_KEYS = ("c_", "doc_", "cand_index"), ("q_", "query_")
 FILL = {"cand_index": -1}
 
 
 def pad_lengths(batch: Mapping[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
-    """``batch`` with its context and question lengths rounded up to a multiple of
+    """``batch`` with its context, question and passage lengths rounded up to a multiple of
     ``multiple`` by more padding (``multiple`` 1: unchanged), so that batch shapes recur. Keys
-    are matched by :data:`CONTEXT_KEYS` and :data:`QUESTION_KEYS` prefixes, and padded along
-    their second axis."""
+    are matched by :data:`CONTEXT_KEYS` and :data:`QUESTION_KEYS` prefixes and padded along
+    their second axis (``c_passage_mask`` along its last)."""
     out = dict(batch)
     if multiple <= 1:
         return out
     for key, v in batch.items():
-        along_context = key.startswith(CONTEXT_KEYS) and key != "c_passage_mask"
-        if v.dim() < 2 or not (along_context or key.startswith(QUESTION_KEYS)):
+        if v.dim() < 2 or not key.startswith(CONTEXT_KEYS + QUESTION_KEYS):
             continue
-        extra = -v.shape[1] % multiple
+        axis = -1 if key == "c_passage_mask" else 1
+        extra = -v.shape[axis] % multiple
         if extra:
-            out[key] = torch.cat([v, v.new_full((v.shape[0], extra, *v.shape[2:]),
-                                                FILL.get(key, 0))], 1)
+            shape = list(v.shape)
+            shape[axis] = extra
+            out[key] = torch.cat([v, v.new_full(shape, FILL.get(key, 0))], axis)
     return out
 
 
