@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from mrc_lib.cli import main
@@ -89,6 +90,20 @@ def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
     assert models["bidaf"]["graph_breaks"] > 0
     for name, m in models.items():
         assert set(m["break_reasons"]) <= {"Attempted to wrap RNN, GRU, or LSTM"}, name
+
+
+def test_padding_costs_count_extra_positions_and_shapes_by_hand():
+    """Two batches of two (lengths sorted into buckets): contexts 10, 12 and 30, 33 (cut at
+    32), questions 3, 5 and 7, 9."""
+    padding = load_bringup("padding")
+    costs = padding.padding_costs(np.array([30, 10, 33, 12]), np.array([7, 3, 9, 5]), 2, [1, 16],
+                                  context_limit=32, question_limit=50)
+    assert costs["batches"] == 2
+    # Unpadded: 2·12 + 2·32 = 88 positions; to 16: 2·16 + 2·32 = 96; real tokens 84.
+    assert costs["multiples"]["1"] == {"extra_context_positions": 0.0, "shapes": 2,
+                                       "real_token_fraction": round(84 / 88, 4)}
+    assert costs["multiples"]["16"] == {"extra_context_positions": round(96 / 88 - 1, 4),
+                                        "shapes": 2, "real_token_fraction": round(84 / 96, 4)}
 
 
 def test_gpu_packing_sums_concurrent_processes_tiny_on_cpu(tmp_path):
