@@ -31,9 +31,9 @@ BOOK_RUNS = ROOT / "book" / "runs"
 MAX_BYTES = 1_000_000
 CURVE_POINTS = 200
 SCHEMA = 1
-# Config keys that do not change what a run computes (where and how it is checkpointed, logged
-# and evaluated in batches), left out of the hash so that a GPU run's record serves a CPU
-# re-execution of its chapter.
+# Config keys that do not change what a run computes (where and how it is computed,
+# checkpointed, logged and evaluated in batches), left out of the hash so that a GPU run's
+# record serves a CPU re-execution of its chapter.
 UNHASHED = ("device", "compile", "compile_mode", "pad_multiple", "checkpoint_every", "log_every",
             "eval_batch_size")
 REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests", "dev",
