@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mrc_lib.config import resolve_config  # noqa: E402
-from mrc_lib.data.dataset import bucketed_batches  # noqa: E402
 from mrc_lib.utils import atomic_write_json  # noqa: E402
 
 
@@ -39,11 +38,10 @@ def rounded(n: np.ndarray, multiple: int) -> np.ndarray:
     return -(-n // multiple) * multiple
 
 
-def padding_costs(c_len: np.ndarray, q_len: np.ndarray, batch_size: int, multiples: list[int],
-                  *, context_limit: int, question_limit: int, seed: int = 0) -> dict:
-    """The costs above, for one shuffled epoch of examples with these context and question
-    lengths (each cut at its limit, as the batches are)."""
-    batches = bucketed_batches(c_len, batch_size, shuffle=True, seed=seed)  # as Split.batches
+def padding_costs(batches: list[np.ndarray], c_len: np.ndarray, q_len: np.ndarray,
+                  multiples: list[int], *, context_limit: int, question_limit: int) -> dict:
+    """The costs above, for one epoch's ``batches`` (positions) of examples with these context
+    and question lengths (each cut at its limit, as the batches are)."""
     c_len, q_len = np.minimum(c_len, context_limit), np.minimum(q_len, question_limit)
     longest = np.array([[c_len[b].max(), q_len[b].max()] for b in batches])
     sizes = np.array([len(b) for b in batches])
@@ -55,7 +53,7 @@ def padding_costs(c_len: np.ndarray, q_len: np.ndarray, batch_size: int, multipl
         out[str(m)] = {"extra_context_positions": round(float(positions / base - 1), 4),
                        "shapes": len(set(zip(lc.tolist(), lq.tolist()))),
                        "real_token_fraction": round(float(c_len.sum() / positions), 4)}
-    return {"batches": len(batches), "batch_size": batch_size, "multiples": out}
+    return {"batches": len(batches), "batch_size": int(sizes.max()), "multiples": out}
 
 
 def main(argv=None) -> dict:
@@ -71,9 +69,10 @@ def main(argv=None) -> dict:
     for name in args.models.split(","):
         cfg = resolve_config(name, profile="full")
         train = load_data(cfg).splits["train"]
+        batches = train.batch_order(cfg.batch_size, shuffle=True, seed=cfg.seed)  # epoch 1's
         results["models"][name] = padding_costs(
-            train.context_lengths(), train.question_lengths(), cfg.batch_size, multiples,
-            context_limit=cfg.context_limit, question_limit=cfg.question_limit, seed=cfg.seed)
+            batches, train.context_lengths(), train.question_lengths(), multiples,
+            context_limit=cfg.context_limit, question_limit=cfg.question_limit)
         print(name, results["models"][name], flush=True)
     atomic_write_json(Path(args.out), results)
     print(args.out)

@@ -93,11 +93,11 @@ def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
 
 
 def test_padding_costs_count_extra_positions_and_shapes_by_hand():
-    """Two batches of two (lengths sorted into buckets): contexts 10, 12 and 30, 33 (cut at
-    32), questions 3, 5 and 7, 9."""
+    """Two batches of two: contexts 10, 12 and 30, 33 (cut at 32), questions 3, 5 and 7, 9."""
     padding = load_bringup("padding")
-    costs = padding.padding_costs(np.array([30, 10, 33, 12]), np.array([7, 3, 9, 5]), 2, [1, 16],
-                                  context_limit=32, question_limit=50)
+    batches = [np.array([1, 3]), np.array([0, 2])]
+    costs = padding.padding_costs(batches, np.array([30, 10, 33, 12]), np.array([7, 3, 9, 5]),
+                                  [1, 16], context_limit=32, question_limit=50)
     assert costs["batches"] == 2
     # Unpadded: 2·12 + 2·32 = 88 positions; to 16: 2·16 + 2·32 = 96; real tokens 84.
     assert costs["multiples"]["1"] == {"extra_context_positions": 0.0, "shapes": 2,
