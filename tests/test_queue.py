@@ -13,6 +13,7 @@ import pytest
 from mrc_lib import queue, records
 from mrc_lib.cli import main
 from mrc_lib.errors import UserError
+from mrc_lib.models import effective_hparams
 
 TINY = ["epochs=2", "batch_size=2", "limits=null", "hparams.hidden=8", "hparams.char_channels=8",
         "checkpoint_every=null", "log_every=1", "device=cpu"]
@@ -304,6 +305,9 @@ def test_verify_compares_each_chapters_smoke_record_with_its_entry(tmp_path, tin
     smoke_record(seed0, seed0.config("smoke"))  # the chapter built the entry's config
     other = seed1.config("smoke")
     other.lr *= 2  # the chapter built another config
+    # and named every hyperparameter, as records do: the same reader, so no difference listed
+    other.hparams = effective_hparams(other.to_dict())
+    assert other.hparams != seed1.config("smoke").hparams
     smoke_record(seed1, other)
     matched, mismatched, unchecked = queue.verify(jobs, runs)
     assert matched == [seed0.key] and unchecked == []

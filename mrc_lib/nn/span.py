@@ -28,11 +28,14 @@ def decode_span(p_start: Tensor, p_end: Tensor, max_len: int) -> tuple[Tensor, T
 
     ``p_start`` and ``p_end`` are ``[B, L]`` probabilities. Only the ``[B, L, max_len]`` band of
     candidate pairs ``(i, i + k)`` is scored; ties go to the smallest ``i`` and then the smallest
-    ``j``, as in a scan over ``i`` then ``j``. Returns ``(start, end, score)``, each ``[B]``.
+    ``j``, as in a scan over ``i`` then ``j``. A ``max_len`` of at least ``L`` scores every span
+    with ``i ≤ j``, the papers' rule (BiDAF, QANet, DecaProp Sec. 3.4). Returns
+    ``(start, end, score)``, each ``[B]``.
     """
     if max_len < 1:
         raise ValueError(f"max_len must be at least 1, got {max_len}")
     L = p_start.shape[1]
+    max_len = min(max_len, L)   # longer spans cannot start anywhere
     # band[b, i, k] = p_end[b, i + k], with positions past the end padded and masked below.
     band = F.pad(p_end, (0, max_len - 1)).unfold(1, max_len, 1)  # [B, L, max_len]
     scores = p_start.unsqueeze(-1) * band
