@@ -309,6 +309,10 @@ def test_last_token_loss_na_score_and_decoding():
         assert torch.allclose(out["na_logits"][k], expected, atol=1e-5)
         for key in ("start_logits", "end_logits"):
             assert out[key][k, last[k]] == torch.finfo(torch.float32).min
+        # by default, the best of every span i <= j of the other tokens (the bases' decoding)
+        every = max(p1[i] * p2[j] for i in range(n - 1) for j in range(i, n - 1))
+        assert torch.allclose(last_token_outputs(start, end, b)["na_logits"][k],
+                              torch.log(p1[last[k]] * p2[last[k]] / every), atol=1e-5)
     assert "loss" not in last_token_outputs(start, end, {"c_mask": b["c_mask"]})
 
 

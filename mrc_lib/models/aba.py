@@ -285,7 +285,7 @@ class ABAReader(nn.Module):
 
 
 def last_token_outputs(start: Tensor, end: Tensor, batch: dict[str, Tensor],
-                       max_len: int = 15) -> dict[str, Tensor]:
+                       max_len: int | None = None) -> dict[str, Tensor]:
     """The paper's unanswerable questions (Sec. 2.1): the answer of an unanswerable question is
     the passage's last token.
 
@@ -295,9 +295,10 @@ def last_token_outputs(start: Tensor, end: Tensor, batch: dict[str, Tensor],
       pointing both ends at its passage's last token (when the batch has targets);
     * ``start_logits``/``end_logits`` with the last token masked, so that decoding picks a real
       span (the last token is reserved for "no answer");
-    * ``na_logits``: ``log p¹(last) p²(last) − log max p¹(i) p²(j)`` over the spans the decoder
-      can return (``j − i < max_len``, the trainer's default ``max_answer_len``), whose sigmoid
-      is the no-answer probability that the SQuAD 2.0 threshold acts on.
+    * ``na_logits``: ``log p¹(last) p²(last) − log max p¹(i) p²(j)`` over the passage's other
+      spans ``i ≤ j`` (``j − i < max_len`` with a ``max_len``; by default every span, as the
+      bases' papers decode), whose sigmoid is the no-answer probability that the SQuAD 2.0
+      threshold acts on.
     """
     c_mask = batch["c_mask"]
     last = c_mask.sum(dim=1) - 1
@@ -309,7 +310,7 @@ def last_token_outputs(start: Tensor, end: Tensor, batch: dict[str, Tensor],
     spans = c_mask & (torch.arange(c_mask.shape[1], device=c_mask.device) != last[:, None])
     log_p1, log_p2 = start.log_softmax(-1), end.log_softmax(-1)
     p1, p2 = (log_p.exp().masked_fill(~spans, 0.0) for log_p in (log_p1, log_p2))
-    best = decode_span(p1, p2, max_len)[2].clamp_min(torch.finfo(p1.dtype).tiny)
+    best = decode_span(p1, p2, max_len or c_mask.shape[1])[2].clamp_min(torch.finfo(p1.dtype).tiny)
     rows = torch.arange(len(last), device=last.device)
     out["na_logits"] = log_p1[rows, last] + log_p2[rows, last] - best.log()
     out["start_logits"], out["end_logits"] = mask_logits(start, spans), mask_logits(end, spans)
