@@ -2,8 +2,10 @@
 
 Five layers (Sec. 2.2 of the paper), with no recurrence anywhere:
 
-1. input embedding layer: fixed GloVe word vectors and a char CNN, through a two-layer highway
-   network, then mapped to ``d`` by a one-dimensional convolution of width 1;
+1. input embedding layer: fixed GloVe word vectors and a char CNN over trainable character
+   vectors of ``p2 = 200`` dimensions (words cut or padded to 16 characters, the row-wise
+   maximum of the convolution's output taken), through a two-layer highway network, then
+   mapped to ``d`` by a one-dimensional convolution of width 1;
 2. embedding encoder layer: one encoder block ``[conv × 4, self-attention, feed-forward]``,
    each sub-layer ``f`` wrapped as ``x + f(layernorm(x))``, shared by context and question;
 3. context-query attention layer: the trilinear similarity, ``A = S̄ Q`` and the DCN
@@ -59,7 +61,7 @@ class QANet(nn.Module):
         emb_blocks, emb_convs, emb_kernel: embedding encoder (paper: 1 block, 4 convs, width 7).
         model_blocks, model_convs, model_kernel: model encoder (paper: 7 blocks, 2 convs,
             width 5).
-        char_dim: character embedding size (paper: 200; smaller here by default).
+        char_dim: character embedding size (paper: p2 = 200, Sec. 2.2).
         char_channels: char CNN filters, the size of a character-level word vector (paper: 200).
         char_kernel: char CNN filter width.
         dropout: dropout between layers and on word vectors (paper: 0.1).
@@ -73,7 +75,7 @@ class QANet(nn.Module):
 
     def __init__(self, vocab, *, d_model: int = 128, heads: int = 8, emb_blocks: int = 1,
                  emb_convs: int = 4, emb_kernel: int = 7, model_blocks: int = 7,
-                 model_convs: int = 2, model_kernel: int = 5, char_dim: int = 64,
+                 model_convs: int = 2, model_kernel: int = 5, char_dim: int = 200,
                  char_channels: int = 200, char_kernel: int = 5, dropout: float = 0.1,
                  char_dropout: float = 0.05, layer_dropout: float = 0.1,
                  use_features: bool = False):
