@@ -453,17 +453,18 @@ def test_cli_trains_resumes_and_predicts(mirror, tmp_path):
 
 @pytest.mark.real_data
 @pytest.mark.slow
+# Epochs: about 10 past the first epoch at 100 F1 (BiDAF's 42nd, QANet's 35th, seed 0).
 @pytest.mark.parametrize("model, changes", [
     ("bidaf", dict(hparams={"hidden": 32, "char_channels": 32, "dropout": 0.0},
-                   optimizer="adam", lr=5e-3)),
+                   optimizer="adam", lr=1e-2, epochs=50)),
     ("qanet", dict(hparams={"d_model": 32, "heads": 2, "model_blocks": 2, "char_channels": 32,
                             "char_dim": 16, "dropout": 0.0, "char_dropout": 0.0,
-                            "layer_dropout": 0.0}, optimizer="adam", lr=3e-3)),
+                            "layer_dropout": 0.0}, optimizer="adam", lr=3e-3, epochs=45)),
 ])
 def test_overfits_32_real_questions(real_squad, tmp_path, model, changes):
     first = real_squad.splits["train"].subset(np.arange(32))
     data = PreparedData(**{**vars(real_squad), "splits": {"train": first, "dev": first}})
-    cfg = TrainConfig(model=model, dataset="squad-v1.1", epochs=60, batch_size=32,
+    cfg = TrainConfig(model=model, dataset="squad-v1.1", batch_size=32,
                       ema_decay=None, device="cpu", log_every=10, **changes)
     metrics = engine.train(cfg, tmp_path, data=data)
     assert metrics["dev"]["f1"] >= 90.0  # the official metric, on the training questions
