@@ -532,8 +532,6 @@ def verify(jobs: list[Job], runs: Path) -> tuple[list[str], list[str], list[str]
     at ``runs/<chapter>/smoke/<run>/record.json``; the entry's config, resolved at the smoke
     profile with the same overrides, must have the same hash. Returns the matching jobs, the
     mismatches (with the keys that differ) and the jobs no smoke run recorded (unchecked)."""
-    from mrc_lib.models import effective_hparams
-
     matched, mismatched, unchecked = [], [], []
     for job in jobs:
         path = runs / job.entry.chapter / "smoke" / job.name / "record.json"
@@ -544,11 +542,8 @@ def verify(jobs: list[Job], runs: Path) -> tuple[list[str], list[str], list[str]
         if records.config_hash(built) == records.config_hash(listed):
             matched.append(job.key)
             continue
-        # hparams as the hash sees them: naming a reader's default is no difference
-        built = {**built, "hparams": effective_hparams(built)}
-        listed = {**listed, "hparams": effective_hparams(listed)}
-        keys = sorted(k for k in listed if k not in records.UNHASHED
-                      and built.get(k) != listed[k])
+        built, listed = records.hashed(built), records.hashed(listed)  # as the hash sees them
+        keys = sorted(k for k in listed if built.get(k) != listed[k])
         mismatched.append(f"{job.key}: " + "; ".join(
             f"{k}: chapter {built.get(k)!r}, queue {listed[k]!r}" for k in keys))
     return matched, mismatched, unchecked

@@ -40,15 +40,20 @@ REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests",
             "history", "device")
 
 
-def config_hash(config: dict) -> str:
-    """SHA-256 (first 16 hex digits) of the resolved config without :data:`UNHASHED` keys, its
-    ``hparams`` completed by the reader's defaults (:func:`mrc_lib.models.effective_hparams`):
-    a record does not match a reader whose defaults changed since it ran."""
+def hashed(config: dict) -> dict:
+    """What :func:`config_hash` hashes: the resolved config without :data:`UNHASHED` keys, its
+    ``hparams`` completed by the reader's defaults (:func:`mrc_lib.models.effective_hparams`),
+    so that a record does not match a reader whose defaults changed since it ran."""
     from mrc_lib.models import effective_hparams
 
     kept = {k: v for k, v in config.items() if k not in UNHASHED}
     kept["hparams"] = effective_hparams(config)
-    return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+    return kept
+
+
+def config_hash(config: dict) -> str:
+    """SHA-256 (first 16 hex digits) of :func:`hashed` ``config``."""
+    return hashlib.sha256(json.dumps(hashed(config), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def record_path(chapter: str, run: str, root: Path | None = None) -> Path:

@@ -29,7 +29,7 @@ def decode_span(p_start: Tensor, p_end: Tensor, max_len: int) -> tuple[Tensor, T
     ``p_start`` and ``p_end`` are ``[B, L]`` probabilities. Only the ``[B, L, max_len]`` band of
     candidate pairs ``(i, i + k)`` is scored; ties go to the smallest ``i`` and then the smallest
     ``j``, as in a scan over ``i`` then ``j``. A ``max_len`` of at least ``L`` scores every span
-    with ``i ≤ j``, the papers' rule (BiDAF, QANet, DecaProp Sec. 3.4). Returns
+    with ``i ≤ j`` (BiDAF's rule, Sec. 2; DecaProp's, Sec. 3.4). Returns
     ``(start, end, score)``, each ``[B]``.
     """
     if max_len < 1:
