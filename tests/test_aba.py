@@ -156,7 +156,7 @@ def test_eq4_trilinear_row_column_softmax_and_dcn_against_loops():
     w = att.similarity.w.reshape(-1)
     for b, (n, m) in enumerate(zip(c_lens, q_lens)):
         H = torch.tensor([[float(w.detach() @ torch.cat([p[b, t], q[b, j], p[b, t] * q[b, j]]))
-                           for j in range(m)] for t in range(n)]) + att.similarity.bias
+                           for j in range(m)] for t in range(n)])
         H_hat = torch.softmax(H, dim=1)  # row softmax, over the question
         H_bar = torch.softmax(H, dim=0)  # column softmax, over the passage
         M = H_hat @ q[b, :m]

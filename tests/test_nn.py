@@ -130,11 +130,9 @@ def test_trilinear_equals_explicit_concatenation():
     B, Lc, Lq, d = 2, 4, 3, 5
     c, q = torch.randn(B, Lc, d), torch.randn(B, Lq, d)
     sim = TrilinearSimilarity(d)
-    with torch.no_grad():
-        sim.bias.fill_(0.3)
     ci = c.unsqueeze(2).expand(B, Lc, Lq, d)
     qj = q.unsqueeze(1).expand(B, Lc, Lq, d)
-    explicit = torch.cat([ci, qj, ci * qj], dim=-1) @ sim.w.flatten() + sim.bias
+    explicit = torch.cat([ci, qj, ci * qj], dim=-1) @ sim.w.flatten()
     torch.testing.assert_close(sim(c, q), explicit)
     assert_grads_reach_every_parameter(sim, sim(c, q).square().sum())
 
@@ -670,7 +668,7 @@ def test_tensorflow_init_draws_glorot_weights_zero_biases_and_forget_bias_one():
     assert within(net["linear"].weight, 30, 20) and (net["linear"].bias == 0).all()
     assert within(net["conv"].weight, 8 * 5, 40 * 5) and (net["conv"].bias == 0).all()
     assert within(net["emb"].weight[1:], 50, 8) and (net["emb"].weight[0] == 0).all()
-    assert within(net["sim"].w, 18, 1) and net["sim"].bias == 0
+    assert within(net["sim"].w, 18, 1)
     lstm = net["lstm"]
     for suffix in ("l0", "l0_reverse"):  # one TensorFlow kernel [input + h, 4h] per direction
         assert within(getattr(lstm, f"weight_ih_{suffix}"), 12 + 10, 40)

@@ -34,9 +34,10 @@ def masked_softmax(x: Tensor, mask: Tensor, dim: int = -1) -> Tensor:
 
 
 class TrilinearSimilarity(nn.Module):
-    """``S_tj = w^T [c_t; q_j; c_t ⊙ q_j] + b`` (BiDAF Eq. 1, QANet Sec. 2.2).
+    """``S_tj = w^T [c_t; q_j; c_t ⊙ q_j]`` (BiDAF Eq. 1, QANet Sec. 2.2): no bias, as in both
+    papers (a scalar bias would shift every score of a softmax row alike and cancel).
 
-    Splitting ``w = [w1; w2; w3]`` gives ``S = c w1 + (q w2)^T + (c ⊙ w3) q^T + b``, which never
+    Splitting ``w = [w1; w2; w3]`` gives ``S = c w1 + (q w2)^T + (c ⊙ w3) q^T``, which never
     materialises the ``[B, Lc, Lq, 3d]`` tensor of concatenations.
     """
 
@@ -44,14 +45,13 @@ class TrilinearSimilarity(nn.Module):
         super().__init__()
         bound = 1.0 / math.sqrt(3 * dim)
         self.w = nn.Parameter(torch.empty(3, dim).uniform_(-bound, bound))
-        self.bias = nn.Parameter(torch.zeros(()))
 
     def forward(self, c: Tensor, q: Tensor) -> Tensor:
         w1, w2, w3 = self.w
         s_c = (c @ w1).unsqueeze(2)  # [B, Lc, 1]
         s_q = (q @ w2).unsqueeze(1)  # [B, 1, Lq]
         s_cq = (c * w3) @ q.transpose(1, 2)  # [B, Lc, Lq]
-        return s_c + s_q + s_cq + self.bias
+        return s_c + s_q + s_cq
 
 
 class DotSimilarity(nn.Module):

@@ -47,7 +47,6 @@ def tensorflow_init_(module: nn.Module) -> nn.Module:
                     m.weight[m.padding_idx].zero_()
         elif isinstance(m, TrilinearSimilarity):  # a linear map of [c; q; c ⊙ q] to one score
             glorot_(m.w, m.w.numel(), 1)
-            nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LSTM):
             h = m.hidden_size
             for name, p in m.named_parameters():
