@@ -57,7 +57,8 @@ class FactorizationMachine(nn.Module):
 
 
 class MLPCompressor(nn.Sequential):
-    """The FM's replacements in Table 7: ``linear`` ``d → 1`` or ``nonlinear`` ``d → d → 1``."""
+    """The FM's replacements in Table 7: ``linear`` ``d → 1`` or ``nonlinear`` ``d → d → 1``
+    (the ReLU between is ours: Table 7 names no activation)."""
 
     def __init__(self, n: int, nonlinear: bool) -> None:
         hidden = [nn.Linear(n, n), nn.ReLU()] if nonlinear else []

@@ -7,7 +7,8 @@ tokens keep their (gated) non-linear features. Memory is ``O(L · D + H · K²)`
 For an input ``X`` ``[B, L, D]`` with real-token mask ``m`` and ``H`` heads of width ``d = D/H``:
 
 * local encoder (Sec. 2.1): two depthwise-separable convolutions of width 7, each
-  ``X ← Conv(LN(X)) + X``; its output is ``U``;
+  ``X ← ReLU(Conv(LN(X))) + X`` (the ReLU is QANet's, our reading: the paper writes
+  ``Conv(LN(X)) + X``); its output is ``U``;
 * Eq. 1: ``G = σ(F^G(F^U(U)))`` ``[L, H]`` with ``F^U`` a fully connected layer with a ReLU
   (the paper says "non-linear" without naming the activation; ReLU is our choice) and ``F^G``
   affine: one activity ``g_{h,i}`` per token and head;

@@ -383,8 +383,8 @@ class PhaseCond(PhasedReader):
     Args:
         vocab: see :mod:`mrc_lib.models`.
         hidden: LSTM size ``d`` per direction (paper: 128).
-        dropout: dropout on the inputs of every layer (paper: 0.2, Srivastava et al.'s: a new
-            mask at every position).
+        dropout: dropout on the inputs of every LSTM and attention layer and on the transform
+            of every highway layer (paper: 0.2, Srivastava et al.'s: a new mask at every position).
         locked_dropout: a departure: one mask per sequence on the LSTM inputs (variational
             dropout, Gal & Ghahramani 2016).
         char_dim: character embedding size (not given in the paper; ours).
