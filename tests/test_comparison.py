@@ -18,12 +18,19 @@ from mrc_lib.comparison import (
 
 def record(model, f1, dataset="squad-v1.1", profile="full", eps=100.0, run="ch/run",
            data_options=None, **hparams):
+    """A record scoring ``f1``; a SQuAD 2.0 one scores it on the eval half (chapter 04's
+    analysis payload), and 0 on its ``dev``, the adapt half that it also trained on."""
     chapter, name = run.split("/", 1)
-    return {"chapter": chapter, "run": name,
-            "config": {"model": model, "dataset": dataset, "profile": profile,
-                       "hparams": hparams, "data_options": data_options or {}},
-            "dev": {"f1": f1, "exact_match": f1 - 8}, "examples_per_second": eps,
-            "complete": True}
+    out = {"chapter": chapter, "run": name,
+           "config": {"model": model, "dataset": dataset, "profile": profile,
+                      "hparams": hparams, "data_options": data_options or {}},
+           "dev": {"f1": f1, "exact_match": f1 - 8}, "examples_per_second": eps,
+           "complete": True}
+    if dataset == "squad-v2.0":
+        out["analysis"] = {"scores": {"threshold": 0.3, "adapt": {"f1": 0.0},
+                                      "eval": {"f1": f1, "exact": f1 - 8}}}
+        out["dev"] = {"f1": 0.0, "exact": 0.0}
+    return out
 
 
 def test_verdicts():
@@ -96,3 +103,17 @@ def test_a_side_counts_only_its_table_rows_runs():
     assert score(runs, seeds) == 80.5
     # a reader without a headline run: its profile's config, on its profile's data
     assert Side.headline("san").runs is None
+
+
+def test_squad2_sides_score_the_eval_half_not_the_adapt_half():
+    """Offline, a SQuAD 2.0 run's dev is the adapt half, which it trained on: the ABA claim
+    reads the eval half at the tuned threshold, as chapter 04 reports."""
+    runs = [record("bidafpp", 68.0, "squad-v2.0", run="04_aba/bidafplusplus_seed0"),
+            record("bidafpp", 70.0, "squad-v2.0", run="04_aba/bidafplusplus_plus_aba_seed0",
+                   aba=True)]
+    base = Side("bidafpp", "squad-v2.0", runs="04_aba/bidafplusplus_seed{seed}")
+    assert score(runs, base) == 68.0
+    row = claims(runs)[2]
+    assert "BiDAF++ 68.00 → 70.00" in row[2] and "eval half" in row[0]
+    no_payload = {**runs[0], "analysis": None}
+    assert score([no_payload], Side("bidafpp", "squad-v2.0")) is None
