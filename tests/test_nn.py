@@ -324,6 +324,23 @@ def test_word_embedding_lookup_and_fixed_rows():
     assert "fixed" in emb.state_dict()
 
 
+def test_word_embedding_maps_every_oov_word_to_one_unk_row():
+    """QANet Sec. 2.2: all out-of-vocabulary words share the trainable <UNK> vector."""
+    V, d, n_trainable = 8, 3, 5  # PAD, UNK, three OOV words, three GloVe words
+    vectors = np.random.default_rng(1).normal(size=(V, d)).astype(np.float32)
+    emb = WordEmbedding(vectors, n_trainable, oov_rows=False)
+    assert emb.trainable.shape == (2, d)
+    ids = torch.tensor([[2, 3, 4, 1, 6, 0]])
+    out = emb(ids)
+    unk = torch.as_tensor(vectors[1])
+    for t in range(4):
+        torch.testing.assert_close(out[0, t], unk)
+    torch.testing.assert_close(out[0, 4], torch.as_tensor(vectors[6]))
+    assert (out[0, 5] == 0).all()
+    out.sum().backward()
+    assert (emb.trainable.grad[0] == 0).all() and (emb.trainable.grad[1] == 4).all()
+
+
 def test_word_embedding_all_trainable_and_bad_split():
     vectors = torch.randn(4, 2)
     emb = WordEmbedding(vectors, n_trainable=4)

@@ -2,7 +2,8 @@
 
 Word ids: 0 = PAD, 1 = UNK, then ``n_trainable - 2`` training words missing from GloVe
 (trainable rows, randomly initialised), then words with a GloVe vector (fixed rows). This is
-the split every paper in the book uses: pretrained vectors stay fixed, OOV words learn.
+the split the readers use: pretrained vectors stay fixed, OOV words learn (QANet instead maps
+every OOV word to the UNK row, its Sec. 2.2: ``WordEmbedding(oov_rows=False)``).
 
 A *form* is a token string as it appears in the text (cased). Each split stores form ids; the
 form table maps a form to its word id and its character ids, so characters are stored once per

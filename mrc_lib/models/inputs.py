@@ -30,14 +30,16 @@ class InputEmbedding(nn.Module):
         char_dropout: dropout on the character embeddings, inside the CNN.
         highway_dropout: dropout inside the highway network.
         use_features: append ``vocab.n_feats`` token features to each context token.
+        oov_rows: a trainable row per word without a GloVe vector (else one shared UNK row).
     """
 
     def __init__(self, vocab, *, char_dim: int, char_channels: int, char_kernel: int,
                  highway_layers: int = 2, word_dropout: float = 0.0, char_dropout: float = 0.0,
-                 highway_dropout: float = 0.0, use_features: bool = False):
+                 highway_dropout: float = 0.0, use_features: bool = False,
+                 oov_rows: bool = True):
         super().__init__()
         vectors = torch.as_tensor(vocab.word_vectors, dtype=torch.float32)
-        self.word = WordEmbedding(vectors, vocab.n_trainable)
+        self.word = WordEmbedding(vectors, vocab.n_trainable, oov_rows)
         self.char = CharCNN(vocab.n_chars, char_dim, char_channels, char_kernel, char_dropout)
         self.word_dropout = nn.Dropout(word_dropout)
         self.n_feats = vocab.n_feats if use_features else 0

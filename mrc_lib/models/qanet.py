@@ -2,7 +2,8 @@
 
 Five layers (Sec. 2.2 of the paper), with no recurrence anywhere:
 
-1. input embedding layer: fixed GloVe word vectors and a char CNN over trainable character
+1. input embedding layer: fixed GloVe word vectors, every out-of-vocabulary word mapped to one
+   trainable ``<UNK>`` vector, and a char CNN over trainable character
    vectors of ``p2 = 200`` dimensions (words cut or padded to 16 characters, the row-wise
    maximum of the convolution's output taken), through a two-layer highway network, then
    mapped to ``d`` by a one-dimensional convolution of width 1;
@@ -69,6 +70,8 @@ class QANet(nn.Module):
         layer_dropout: ``1 - p_L``, the drop probability of the last sub-layer of a stack
             (paper: 0.1).
         use_features: append the data pipeline's token features to the context embedding.
+        oov_rows: a departure (BiDAF's code, our other readers): a trainable vector for each
+            training word without a GloVe vector, instead of the paper's one ``<UNK>``.
     """
 
     compile_regions = (EncoderBlock,)  # compile=true compiles each block (train.compiled)
@@ -78,13 +81,13 @@ class QANet(nn.Module):
                  model_convs: int = 2, model_kernel: int = 5, char_dim: int = 200,
                  char_channels: int = 200, char_kernel: int = 5, dropout: float = 0.1,
                  char_dropout: float = 0.05, layer_dropout: float = 0.1,
-                 use_features: bool = False):
+                 use_features: bool = False, oov_rows: bool = False):
         super().__init__()
         # 1. Input embedding: Highway([x_w; x_c]) mapped to d by a width-1 convolution.
         self.embed = InputEmbedding(vocab, char_dim=char_dim, char_channels=char_channels,
                                     char_kernel=char_kernel, word_dropout=dropout,
                                     char_dropout=char_dropout, highway_dropout=dropout,
-                                    use_features=use_features)
+                                    use_features=use_features, oov_rows=oov_rows)
         self.embed_proj = nn.Linear(self.embed.out_dim, d_model, bias=False)
         # 2. Embedding encoder, shared by context and question.
         self.emb_encoder = EncoderStack(d_model, emb_blocks, emb_convs, emb_kernel, heads,

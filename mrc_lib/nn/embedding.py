@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from mrc_lib.nn.conv import conv_over_time
 
-PAD = 0
+PAD, UNK = 0, 1  # the vocabulary's ids (mrc_lib.data.vocab)
 
 
 class WordEmbedding(nn.Module):
@@ -16,15 +16,18 @@ class WordEmbedding(nn.Module):
     The vocabulary is ordered so that the rows to learn (PAD, UNK, words without a pretrained
     vector, ...) come first; rows ``[n_trainable, V)`` hold pretrained vectors (GloVe) in a
     buffer that never receives gradients. Row 0 is PAD: it starts at zero and gets no gradient.
+    With ``oov_rows=False`` every word without a pretrained vector reads the one trainable UNK
+    row (QANet Sec. 2.2: "All the out-of-vocabulary words are mapped to an <UNK> token").
     """
 
-    def __init__(self, vectors: Tensor | np.ndarray, n_trainable: int) -> None:
+    def __init__(self, vectors: Tensor | np.ndarray, n_trainable: int,
+                 oov_rows: bool = True) -> None:
         super().__init__()
         vectors = torch.as_tensor(vectors, dtype=torch.float32)
         if not 1 <= n_trainable <= len(vectors):
             raise ValueError(f"n_trainable must be in [1, {len(vectors)}], got {n_trainable}")
-        self.n_trainable = n_trainable
-        trainable = vectors[:n_trainable].clone()
+        self.n_trainable, self.oov_rows = n_trainable, oov_rows
+        trainable = vectors[:n_trainable if oov_rows else min(n_trainable, UNK + 1)].clone()
         trainable[PAD] = 0.0
         self.trainable = nn.Parameter(trainable)
         self.register_buffer("fixed", vectors[n_trainable:].clone())
@@ -36,8 +39,9 @@ class WordEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """``[B, L]`` ids to ``[B, L, d]`` vectors: one lookup per part, merged by ``where``."""
         learned = ids < self.n_trainable
+        rows = ids if self.oov_rows else ids.clamp(max=UNK)  # OOV words read UNK's row
         # Ids of the other part point at PAD, which padding_idx keeps out of the gradient.
-        e_learned = F.embedding(ids.where(learned, PAD), self.trainable, padding_idx=PAD)
+        e_learned = F.embedding(rows.where(learned, PAD), self.trainable, padding_idx=PAD)
         if len(self.fixed) == 0:
             return e_learned
         e_fixed = F.embedding((ids - self.n_trainable).clamp(min=0), self.fixed)
