@@ -454,7 +454,7 @@ def test_cli_trains_resumes_and_predicts(mirror, tmp_path):
 
 @pytest.mark.real_data
 @pytest.mark.slow
-# Epochs: about 10 past the first epoch at 100 F1 (BiDAF's 42nd, QANet's 35th, seed 0).
+# Epochs: about 10 past the first epoch at 100 F1 (BiDAF's 39th, QANet's 32nd, seed 0).
 @pytest.mark.parametrize("model, changes", [
     ("bidaf", dict(hparams={"hidden": 32, "char_channels": 32, "dropout": 0.0},
                    optimizer="adam", lr=1e-2, epochs=50)),
