@@ -1,6 +1,7 @@
 """BiDAF++: BiDAF with self-attention and a no-answer option (Clark & Gardner, ACL 2018).
 
-"Simple and Effective Multi-Paragraph Reading Comprehension", Sec. 3.1-3.3. The layers:
+"Simple and Effective Multi-Paragraph Reading Comprehension". That paper is not among the
+papers at hand: the layers below are its Sec. 3.1-3.3 as we recall them, unchecked.
 
 1. embedding: fixed GloVe vectors and a character CNN max-pooled over each word;
 2. pre-process: a bidirectional GRU shared by passage and question (``C¹``);
