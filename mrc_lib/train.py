@@ -2,7 +2,7 @@
 
 One loop trains any reader of :mod:`mrc_lib.models` on any task of :mod:`mrc_lib.tasks` (span
 extraction, SQuAD 2.0, cloze, multiple choice), as the papers describe it: minimize the task's
-loss with Adam or Adadelta, a learning-rate warm-up (QANet Sec. 3.1), gradient clipping and an
+loss with Adam or Adadelta, a learning-rate warm-up (QANet), gradient clipping and an
 exponential moving average of the weights, which is what gets evaluated and saved. Every epoch
 ends with the task's official evaluation on dev (and on test, where the task's data has one).
 
@@ -73,7 +73,7 @@ RESUMABLE_CHANGES = {"epochs", "max_steps", "checkpoint_every", "log_every", "ev
 
 
 class EMA:
-    """Exponential moving average of the trainable weights (BiDAF Sec. 4, QANet Sec. 3.1).
+    """Exponential moving average of the trainable weights (BiDAF, QANet).
 
     After the ``n``-th optimizer step, ``θ̄ ← d_n θ̄ + (1 − d_n) θ`` with
     ``d_n = min(d, (1 + n) / (10 + n))``: TensorFlow's ``ExponentialMovingAverage`` with
