@@ -26,10 +26,11 @@ V2 = "squad-v2.0"
 
 
 def load_records(root: str | Path = BOOK_RUNS) -> list[dict]:
-    """Every readable record under ``root/*/*.json``; none when the folder is absent. A file
-    that is not a record (unreadable, or no ``config``/``dev``) is skipped."""
+    """Every readable record in a chapter folder under ``root``, at any depth (a run named
+    ``phasecond/seed0`` is ``06_phasecond/phasecond/seed0.json``); none when the folder is
+    absent. A file that is not a record (unreadable, or no ``config``/``dev``) is skipped."""
     found = []
-    for path in sorted(Path(root).glob("*/*.json")):
+    for path in sorted(Path(root).glob("*/**/*.json")):
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):

@@ -75,6 +75,20 @@ def test_load_records_tolerates_absence_and_junk(tmp_path):
     assert [r["config"]["model"] for r in load_records(tmp_path)] == ["rnet"]
 
 
+def test_load_records_finds_runs_named_with_a_folder(tmp_path):
+    """PhaseCond's seeds (``phasecond/seed0``) and the EA Reader's variants (``NE/...``) are
+    records one folder deeper than the chapter's."""
+    (tmp_path / "06_phasecond" / "phasecond").mkdir(parents=True)
+    (tmp_path / "06_phasecond" / "phasecond" / "seed0.json").write_text(
+        json.dumps(record("phasecond", 80.0, run="06_phasecond/phasecond/seed0")))
+    (tmp_path / "01_bidaf_qanet").mkdir()
+    (tmp_path / "01_bidaf_qanet" / "bidaf.json").write_text(
+        json.dumps(record("bidaf", 75.0, run="01_bidaf_qanet/bidaf")))
+    found = load_records(tmp_path)
+    assert sorted(r["config"]["model"] for r in found) == ["bidaf", "phasecond"]
+    assert score(found, Side("phasecond", runs="06_phasecond/phasecond/seed{seed}")) == 80.0
+
+
 def test_readme_lists_every_registered_reader():
     from mrc_lib.book import ROOT
     from mrc_lib.models import MODELS, _import_readers
