@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true")
     s.add_argument("--retrain", action="store_true",
                    help="at the full profile, train runs that have a matching record")
+    s.add_argument("--records-only", action="store_true",
+                   help="at the full profile, never train: stop where a run has no record")
     s.set_defaults(func=cmd_reproduce)
 
     add_queue_parser(sub)

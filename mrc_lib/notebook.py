@@ -37,6 +37,7 @@ class Run:
     data_digests: dict = field(default_factory=dict)  # file name -> sha256 of the data used
     chapter: str = ""  # the notebook's name, e.g. "01_bidaf_qanet": where its records go
     retrain: bool = False  # at full, train even where a matching record exists
+    records_only: bool = False  # at full, never train: a run without its record is an error
     runs: dict = field(default_factory=dict)  # run name -> where its metrics came from
     figure_scales: dict = field(default_factory=dict)  # figure key -> data, at every profile
 
@@ -91,8 +92,9 @@ class Run:
         there), write its record and return its metrics, with the reader's ``analysis``
         payload when it has one. At the full profile, a record of the same config and data
         (:func:`mrc_lib.records.lookup`) is returned instead, unless ``retrain`` (default: the
-        run's ``retrain``). Chapters train through this one call, so that runs are recorded in
-        one place."""
+        run's ``retrain``); with ``records_only`` a run without its record is a one-line
+        :class:`UserError` naming the record and why it does not match. Chapters train through
+        this one call, so that runs are recorded in one place."""
         from mrc_lib import records
         from mrc_lib.train import load_data, train
 
@@ -104,6 +106,10 @@ class Run:
             if found is not None:
                 self._note(name, found, record=str(path.relative_to(records.ROOT)))
                 return found
+            if self.records_only:
+                why = records.mismatch(path, cfg.to_dict(), data.digests)
+                raise UserError(f"{path}: {why}; run {name!r} would train, and records_only "
+                                "(reproduce --records-only) never trains")
         out = self.out_dir / name
         metrics = train(cfg, out, resume=(out / "checkpoint.pt").exists(), data=data)
         record = records.make_record(metrics, chapter=self.chapter, run=name,
@@ -142,14 +148,16 @@ def start(profile: str = "auto", seed: int = 0, data_dir: str = "", device: str 
     point the data pipeline at ``data_dir`` and show the smoke banner when it applies.
     ``chapter`` defaults to ``MRC_CHAPTER`` (set by ``reproduce``), else the name of
     ``out_dir``'s parent (``runs/<chapter>/<profile>``); ``retrain`` is also set by
-    ``MRC_RETRAIN=1`` (``reproduce --retrain``). ``banner=False``: a chapter whose work is the
+    ``MRC_RETRAIN=1`` (``reproduce --retrain``), ``records_only`` by ``MRC_RECORDS_ONLY=1``
+    (``reproduce --records-only``). ``banner=False``: a chapter whose work is the
     same at every profile shows no smoke banner (it labels its tables with ``scale``)."""
     if data_dir:
         os.environ["MRC_DATA_DIR"] = str(Path(data_dir).resolve())
     chapter = chapter or os.environ.get("MRC_CHAPTER") or Path(out_dir).resolve().parent.name
     retrain = retrain or os.environ.get("MRC_RETRAIN") == "1"
     run = Run(resolve_profile(profile), seed, resolve_device(device), Path(out_dir),
-              chapter=chapter, retrain=retrain)
+              chapter=chapter, retrain=retrain,
+              records_only=os.environ.get("MRC_RECORDS_ONLY") == "1")
     run.out_dir.mkdir(parents=True, exist_ok=True)
     random.seed(seed)
     np.random.seed(seed)

@@ -8,6 +8,7 @@
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
     python -m mrc_lib queue verify                            # chapters build these configs?
+    python -m mrc_lib queue rehearse --to DIR                 # every chapter at full, stand-ins
 
 The file lists, per chapter, every run the full book needs (its header documents the keys);
 :func:`load_queue` checks it and reports a bad entry in one line naming the file and entry.
@@ -501,6 +502,12 @@ def import_records(out: Path) -> list[Path]:
 # --- the data, built on the CPU side -----------------------------------------------------------
 
 
+def data_key(cfg) -> str:
+    """What a run's data follows from (runs with the same key load the same data)."""
+    return json.dumps([cfg.dataset, cfg.task, cfg.pipeline, cfg.glove, cfg.data_options,
+                       cfg.limits], sort_keys=True)
+
+
 def prepare(jobs: list[Job], profile: str = "full", log=print) -> list[str]:
     """Build the data of every job into the cache here, where spaCy, the raw files and GloVe
     are: the GPU machine has only the cache. One load per distinct data config; multi-passage
@@ -513,8 +520,7 @@ def prepare(jobs: list[Job], profile: str = "full", log=print) -> list[str]:
         cfg = job.config(profile)
         if "passages" in cfg.data_options:  # its source, the prepared SQuAD
             cfg = dataclasses.replace(cfg, data_options={})
-        what = json.dumps([cfg.dataset, cfg.task, cfg.pipeline, cfg.glove, cfg.data_options,
-                           cfg.limits], sort_keys=True)
+        what = data_key(cfg)
         if what not in loaded:
             log(f"{job.key}: {what}")
             load_data(cfg)
@@ -558,8 +564,8 @@ def queue_cli(args) -> None:
     out = Path(args.out) if args.out else None
     if action in ("run", "work", "pack", "unpack", "import") and out is None:
         raise UserError(f"queue {action} needs --out DIR")
-    if action == "pack" and args.to is None:
-        raise UserError("queue pack needs --to DEST")
+    if action in ("pack", "rehearse") and args.to is None:
+        raise UserError(f"queue {action} needs --to DEST")
     if action == "unpack" and not args.source:
         raise UserError("queue unpack needs --from DEST...")
     if action == "pack":
@@ -581,6 +587,15 @@ def queue_cli(args) -> None:
     jobs = select(load_queue(args.file), args.only)
     if action == "prepare":
         prepare(jobs, args.profile)
+        return
+    if action == "rehearse":
+        from mrc_lib.rehearsal import rehearse
+
+        outcome = rehearse(jobs, Path(args.to))
+        failed = [chapter for chapter, result in outcome.items() if result != "ok"]
+        if failed:
+            raise UserError(f"{len(failed)} chapter(s) failed at the full profile from stand-in "
+                            f"records: {', '.join(failed)} ({args.to}/rehearsal.json)")
         return
     if action == "verify":
         matched, mismatched, unchecked = verify(jobs, out or Path("runs"))
@@ -616,7 +631,7 @@ def queue_cli(args) -> None:
 def add_parser(sub) -> None:
     s = sub.add_parser("queue", help="the full-profile runs: status, packed runner, transfer")
     s.add_argument("action", nargs="?", choices=["status", "prepare", "run", "work", "pack",
-                                                 "unpack", "import", "verify"])
+                                                 "unpack", "import", "verify", "rehearse"])
     s.add_argument("--file", default=str(QUEUE_FILE), help="the queue file")
     s.add_argument("--out", default=None, help="the runner's folder (runs, records); verify: "
                    "the smoke run folder (default runs)")
@@ -636,7 +651,8 @@ def add_parser(sub) -> None:
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)
     s.add_argument("--job", default=None, help=argparse.SUPPRESS)
     s.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
-    s.add_argument("--to", default=None, help="pack: the folder to write the bundle to")
+    s.add_argument("--to", default=None, help="pack: the folder to write the bundle to; "
+                   "rehearse: the new folder to clone the repository into")
     s.add_argument("--bundle", type=int, default=1, help="pack: which bundle to write")
     s.add_argument("--bundle-mib", type=float, default=PACK_BUDGET / 2**20,
                    help="pack: the most MiB a bundle holds")

@@ -280,10 +280,12 @@ def execute(layout: Layout, name: str, parameters: dict, out_dir: Path, env: dic
 
 
 def reproduce(name: str, profile: str, params: dict | None = None, force: bool = False,
-              layout: Layout = Layout(), *, retrain: bool = False) -> Path:
+              layout: Layout = Layout(), *, retrain: bool = False,
+              records_only: bool = False) -> Path:
     """Run one chapter at a resolved ``profile`` and publish it; return its results file.
     At the full profile the notebook reads each run's record (``book/runs/NAME/``) instead of
-    training it, unless ``retrain`` (:mod:`mrc_lib.records`)."""
+    training it, unless ``retrain``; with ``records_only`` it stops where a run has no record
+    (:mod:`mrc_lib.records`)."""
     check_overwrite(layout, name, profile, force)
     out_dir = layout.runs / name / profile
     if profile == "smoke":  # minutes of CPU: start afresh, never resume runs of older code
@@ -302,6 +304,7 @@ def reproduce(name: str, profile: str, params: dict | None = None, force: bool =
     }
     start = time.monotonic()
     env = {"MRC_CHAPTER": name, "MRC_RETRAIN": "1" if retrain else "0",
+           "MRC_RECORDS_ONLY": "1" if records_only else "0",
            **({"MRC_DATA_DIR": data_dir} if data_dir else {})}
     executed = execute(layout, name, parameters, out_dir, env)
     duration = time.monotonic() - start
@@ -350,11 +353,15 @@ def reproduce_cli(args, layout: Layout = Layout()) -> list[Path]:
     names = resolve_names(layout, args.name, args.all)
     profile = resolve_profile(args.profile)
     params = parse_params(args.params)
+    retrain, records_only = getattr(args, "retrain", False), getattr(args, "records_only", False)
+    if records_only and (profile != "full" or retrain):
+        raise UserError("--records-only builds a chapter from its full-profile run records: "
+                        "use it with --profile full and without --retrain")
     for name in names:
         check_overwrite(layout, name, profile, args.force)
     written = []
     for name in names:
         written.append(reproduce(name, profile, params, args.force, layout,
-                                 retrain=getattr(args, "retrain", False)))
+                                 retrain=retrain, records_only=records_only))
         print(written[-1])
     return written

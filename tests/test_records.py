@@ -130,6 +130,35 @@ def test_full_reads_a_matching_record_and_retrains_on_request(tmp_path, data, mo
         notebook_run(tmp_path, "full", monkeypatch, retrain=True).train("toy", cfg, data)
 
 
+def test_records_only_never_trains_and_says_why_a_record_does_not_match(tmp_path, data,
+                                                                         monkeypatch):
+    """``reproduce --records-only``: a chapter built from its records stops, naming the record
+    and why it is not the run's, where it would otherwise train."""
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained under records_only")
+
+    cfg, path = toy_config(profile="full"), tmp_path / "book" / "runs" / "ch" / "toy.json"
+    run = notebook_run(tmp_path, "full", monkeypatch, records_only=True)
+    monkeypatch.setattr(engine, "train", no_training)
+    with pytest.raises(UserError, match="no record; run 'toy' would train") as e:
+        run.train("toy", cfg, data)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    monkeypatch.undo()
+    trained = notebook_run(tmp_path, "full", monkeypatch).train("toy", cfg, data)
+    run = notebook_run(tmp_path, "full", monkeypatch, records_only=True)
+    monkeypatch.setattr(engine, "train", no_training)
+    assert run.train("toy", cfg, data)["dev"] == trained["dev"]
+    other = type(data)(**{**vars(data), "digests": {"x": "1"}})
+    stale = toy_config(profile="full", lr=0.01)
+    for config, digests, why in [(stale, data, "a record of config"),
+                                 (cfg, other, "a record of other data")]:
+        with pytest.raises(UserError, match=why):
+            run.train("toy", config, digests)
+    records.write_record(path, {**records.read_record(path), "complete": False})
+    with pytest.raises(UserError, match="a partial record"):
+        run.train("toy", cfg, data)
+
+
 def test_a_full_chapter_needs_every_run_complete_and_full(tmp_path, data, monkeypatch):
     run = notebook_run(tmp_path, "full", monkeypatch)
     run.out_dir.mkdir(parents=True)
@@ -147,4 +176,6 @@ def test_start_takes_chapter_and_retrain_from_the_environment(tmp_path, monkeypa
     monkeypatch.setenv("MRC_CHAPTER", "08_y")
     monkeypatch.setenv("MRC_RETRAIN", "1")
     run = notebook.start("smoke", 0, "", "cpu", str(tmp_path / "o"))
-    assert (run.chapter, run.retrain) == ("08_y", True)
+    assert (run.chapter, run.retrain, run.records_only) == ("08_y", True, False)
+    monkeypatch.setenv("MRC_RECORDS_ONLY", "1")
+    assert notebook.start("smoke", 0, "", "cpu", str(tmp_path / "o")).records_only

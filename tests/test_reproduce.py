@@ -147,6 +147,16 @@ def test_all_checks_every_chapter_before_running_any(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("profile, retrain", [("smoke", False), ("full", True)])
+def test_records_only_is_for_the_full_profile_without_retrain(tmp_path, profile, retrain):
+    write_chapter(tmp_path)
+    args = argparse.Namespace(name="01_tiny", all=False, profile=profile, params=[],
+                              force=False, retrain=retrain, records_only=True)
+    with pytest.raises(UserError, match="--records-only builds a chapter"):
+        reproduce_cli(args, Layout(tmp_path))
+    assert not (tmp_path / "runs").exists()
+
+
 def test_force_replaces_full(tmp_path):
     write_chapter(tmp_path)
     path = full_result(tmp_path)
