@@ -91,7 +91,7 @@ class Run:
         """Train run ``name`` of this chapter per ``cfg`` (resuming its checkpoint if one is
         there), write its record and return its metrics, with the reader's ``analysis``
         payload when it has one. At the full profile, a record of the same config and data
-        (:func:`mrc_lib.records.lookup`) is returned instead, unless ``retrain`` (default: the
+        (:func:`mrc_lib.records.match`) is returned instead, unless ``retrain`` (default: the
         run's ``retrain``); with ``records_only`` a run without its record is a one-line
         :class:`UserError` naming the record and why it does not match. Chapters train through
         this one call, so that runs are recorded in one place."""
@@ -102,12 +102,11 @@ class Run:
         path = self.record_path(name)
         retrain = self.retrain if retrain is None else retrain
         if not self.smoke and not retrain:
-            found = records.lookup(path, cfg.to_dict(), data.digests)
+            found, why = records.match(path, cfg.to_dict(), data.digests)
             if found is not None:
                 self._note(name, found, record=str(path.relative_to(records.ROOT)))
                 return found
             if self.records_only:
-                why = records.mismatch(path, cfg.to_dict(), data.digests)
                 raise UserError(f"{path}: {why}; run {name!r} would train, and records_only "
                                 "(reproduce --records-only) never trains")
         out = self.out_dir / name

@@ -15,7 +15,7 @@ progress, never as a result (:func:`finished`).
 At the full profile a notebook's ``run.train(name, cfg, data)`` returns the record of ``name``
 instead of training when its config hash and data digests equal the new run's
 (:func:`lookup`); ``retrain`` forces training, and ``records_only`` (``reproduce
---records-only``) stops the chapter where it would train, saying why (:func:`mismatch`).
+--records-only``) stops the chapter where it would train, saying why (:func:`match`).
 """
 
 from __future__ import annotations
@@ -123,26 +123,26 @@ def finished(record: dict) -> bool:
     return record.get("complete", True)
 
 
-def mismatch(path: str | Path, config: dict, digests: dict) -> str | None:
-    """Why the record at ``path`` is not a finished run of this config (hash) and data
-    (digests), in a few words; ``None`` when it is."""
+def match(path: str | Path, config: dict, digests: dict) -> tuple[dict | None, str | None]:
+    """``(record, None)`` if the record at ``path`` is of a finished run of this config (hash)
+    and data (digests), else ``(None, why not)`` in a few words."""
     path = Path(path)
     if not path.exists():
-        return "no record"
+        return None, "no record"
     record = read_record(path)
     if record["config_hash"] != config_hash(config):
-        return f"a record of config {record['config_hash']}, not {config_hash(config)}"
+        return None, f"a record of config {record['config_hash']}, not {config_hash(config)}"
     if record["data_digests"] != digests:
-        return "a record of other data (its digests differ)"
+        return None, "a record of other data (its digests differ)"
     if not finished(record):
-        return "a partial record (its schedule did not finish)"
-    return None
+        return None, "a partial record (its schedule did not finish)"
+    return record, None
 
 
 def lookup(path: str | Path, config: dict, digests: dict) -> dict | None:
     """The record at ``path`` if it is of a finished run of the same config (hash) and data
     (digests), else ``None`` (no record, a partial or a stale one: the caller trains)."""
-    return None if mismatch(path, config, digests) else read_record(path)
+    return match(path, config, digests)[0]
 
 
 def provenance(record: dict) -> str:

@@ -87,10 +87,11 @@ def write_standins(jobs, runs: Path, book_runs: Path, log=print) -> int:
     smoke, digests = smoke_records(runs), {}
     for job in jobs:
         cfg = job.config("full")
-        if data_key(cfg) not in digests:
-            log(f"loading {data_key(cfg)}")
-            digests[data_key(cfg)] = load_data(cfg).digests
-        record = standin(job, source_record(job, smoke), digests[data_key(cfg)])
+        key = data_key(cfg)
+        if key not in digests:
+            log(f"loading {key}")
+            digests[key] = load_data(cfg).digests
+        record = standin(job, source_record(job, smoke), digests[key])
         records.write_record(records.record_path(job.entry.chapter, job.name, book_runs), record)
     return len(jobs)
 
@@ -108,9 +109,9 @@ def check_comparison(book_runs: Path) -> str:
 
 
 def rehearse(jobs, dest: Path, runs: Path = records.ROOT / "runs",
-             chapters: list[str] | None = None, log=print) -> dict[str, str]:
+             log=print) -> dict[str, str]:
     """Clone the repository into ``dest``, write the stand-ins there and reproduce each chapter
-    (default: every chapter, chapter 07 checked by :func:`check_comparison`) at the full
+    (chapter 07 checked by :func:`check_comparison`) at the full
     profile with ``--records-only``. Returns, per chapter, ``ok`` or the error it stopped
     with."""
     if dest.exists() and any(dest.iterdir()):
@@ -118,8 +119,7 @@ def rehearse(jobs, dest: Path, runs: Path = records.ROOT / "runs",
                         "folder")
     subprocess.run(["git", "clone", "--quiet", str(records.ROOT), str(dest)], check=True)
     log(f"{write_standins(jobs, runs, dest / 'book' / 'runs', log)} stand-in records in {dest}")
-    if chapters is None:
-        chapters = sorted(p.stem for p in (dest / "notebooks").glob(NOTEBOOK_PATTERN))
+    chapters = sorted(p.stem for p in (dest / "notebooks").glob(NOTEBOOK_PATTERN))
     env = {**os.environ, "PYTHONPATH": str(dest)}  # the clone's library, in its kernels too
     outcome = {}
     for chapter in chapters:
