@@ -75,6 +75,7 @@ def cmd_reproduce(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mrc_lib.measurements import add_parser as add_measure_parser
     from mrc_lib.queue import add_parser as add_queue_parser
 
     p = argparse.ArgumentParser(prog="python -m mrc_lib", description=__doc__.split("\n")[0])
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_reproduce)
 
     add_queue_parser(sub)
+    add_measure_parser(sub)
     return p
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
 
+from mrc_lib.errors import UserError
 from mrc_lib.models import hparam_defaults
 from mrc_lib.records import BOOK_RUNS, finished
 
@@ -207,11 +208,73 @@ def claims(records: list[dict]) -> list[list]:
     ]
 
 
+# The chapter's speed protocol per profile: every reader at one context length and batch
+# (``steps`` timed after ``warmup``), then each reader at every context length of ``lengths``
+# (batch ``sweep_batch``) until one training step takes over ``step_limit`` seconds.
+PROTOCOL = {
+    "smoke": {"seq_len": 256, "batch_size": 4, "steps": 2, "warmup": 1,
+              "lengths": [256, 1024, 4096], "sweep_batch": 1, "sweep_steps": 1,
+              "sweep_warmup": 0, "step_limit": 2},
+    "full": {"seq_len": 400, "batch_size": 32, "steps": 10, "warmup": 3,
+             "lengths": [256, 1024, 4096], "sweep_batch": 8, "sweep_steps": 5,
+             "sweep_warmup": 2, "step_limit": 10},
+}
+
+
+def reader_key(model: str, profile: str) -> str:
+    """What a reader's speed follows from at ``profile``, hashed: its hyperparameters (defaults
+    included), bf16, optimizer and weight average; its data and schedule do not count."""
+    from mrc_lib.config import resolve_config
+    from mrc_lib.records import config_hash
+
+    cfg = resolve_config(model, profile=profile).to_dict()
+    return config_hash({k: cfg[k] for k in ("model", "hparams", "bf16", "optimizer",
+                                            "ema_decay")})
+
+
+def speed_spec(profile: str) -> dict:
+    """What the chapter's speed measurement measures at ``profile``
+    (:mod:`mrc_lib.measurements`): the protocol and every span reader's :func:`reader_key`."""
+    size = "smoke" if profile == "smoke" else "full"
+    readers, _ = span_readers(size)
+    return {"size": size, "protocol": PROTOCOL[size],
+            "readers": {name: reader_key(name, size) for name in readers}}
+
+
+def measure_speed(spec: dict, device: str) -> dict:
+    """:func:`speed_spec`'s measurement on ``device``: ``readers`` (:func:`mrc_lib.bench.bench`
+    of each at ``seq_len``), ``sweep`` (training examples/s and peak memory per reader and
+    context length) and ``notes`` (a reader out of GPU memory at a length)."""
+    import torch
+
+    from mrc_lib.bench import bench
+
+    size, p = spec["size"], spec["protocol"]
+    readers = {name: bench(name, p["seq_len"], p["batch_size"], p["steps"], device,
+                           profile=size, warmup=p["warmup"]) for name in spec["readers"]}
+    sweep, notes = [], []
+    for name in spec["readers"]:
+        for length in p["lengths"]:
+            try:
+                b = bench(name, length, p["sweep_batch"], p["sweep_steps"], device,
+                          profile=size, warmup=p["sweep_warmup"])
+            except torch.cuda.OutOfMemoryError:
+                notes.append(f"{name}: out of GPU memory at {length} context tokens")
+                torch.cuda.empty_cache()
+                break
+            sweep.append({"reader": name, "length": length,
+                          "train ex/s": b["train_examples_per_s"],
+                          "peak MiB": b["peak_memory_bytes"] / 2**20})
+            if p["sweep_batch"] / b["train_examples_per_s"] > p["step_limit"]:  # s per step
+                break
+    return {"readers": readers, "sweep": sweep, "notes": notes}
+
+
 def span_readers(profile: str = "smoke") -> tuple[list[str], dict[str, str]]:
     """The registry's span readers (``mrc_lib.models.MODELS``, enumerated), and the others with
-    why they are left out: a reader whose profile trains it on a choice task
-    (:mod:`mrc_lib.tasks`), a reader with a no-answer head (a SQuAD 2.0 reader), and one that
-    cannot read a span batch."""
+    why they are left out: a reader without a section in ``profile``, a reader whose profile
+    trains it on a choice task (:mod:`mrc_lib.tasks`), a reader with a no-answer head (a
+    SQuAD 2.0 reader), and one that cannot read a span batch."""
     import torch
 
     from mrc_lib.bench import SyntheticVocab, synthetic_batch
@@ -223,7 +286,11 @@ def span_readers(profile: str = "smoke") -> tuple[list[str], dict[str, str]]:
     batch = synthetic_batch(vocab, 1, 32)
     readers, excluded = [], {}
     for name in sorted(MODELS):
-        cfg = resolve_config(name, profile=profile)
+        try:
+            cfg = resolve_config(name, profile=profile)
+        except UserError:
+            excluded[name] = f"no section in the {profile} profile"
+            continue
         if cfg.task not in SPAN_TASKS:
             excluded[name] = f"a {cfg.task.replace('_', '-')} reader, not a span reader"
             continue

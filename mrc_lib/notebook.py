@@ -117,10 +117,40 @@ class Run:
         self._note(name, record, trained=True)
         return record
 
+    def measure(self, name: str) -> dict:
+        """The record of this chapter's measurement ``name``
+        (:func:`mrc_lib.measurements.registry`): at the full profile, the committed one when it
+        measured the same spec and this device may read it (:func:`mrc_lib.measurements.match`),
+        unless ``retrain``; with ``records_only`` a missing one is a one-line
+        :class:`UserError`. Otherwise it measures on this run's device and writes the record
+        (:meth:`record_path`)."""
+        from mrc_lib import measurements, records
+
+        m = measurements.find(self.chapter, name)
+        path, spec = self.record_path(name), m.spec(self.profile)
+        if not self.smoke and not self.retrain:
+            found, why = measurements.match(path, spec, self.device.type)
+            if found is not None:
+                self._note(name, found, record=str(path.relative_to(records.ROOT)))
+                return found
+            if self.records_only:
+                raise UserError(f"{path}: {why}; measurement {name!r} would run, and "
+                                "records_only (reproduce --records-only) never measures")
+        record = measurements.make(m, self.profile, self.device.type, spec)
+        records.write_record(path, record)
+        self._note(name, record, measured=True)
+        return record
+
     def _note(self, name: str, found: dict, **source) -> None:
         """Where run ``name``'s metrics came from (``results.json``'s ``runs``)."""
         from mrc_lib import records
 
+        if found.get("kind") == "measurement":
+            from mrc_lib.measurements import provenance
+
+            self.runs[name] = {**source, "profile": found["profile"], "complete": True,
+                               "provenance": provenance(found)}
+            return
         self.runs[name] = {**source, "profile": found["config"]["profile"],
                            "complete": records.finished(found),
                            "provenance": records.provenance(found)}

@@ -607,7 +607,11 @@ def queue_cli(args) -> None:
                             "their queue entry")
         return
     if action == "status":
+        from mrc_lib.measurements import state_lines
+
         print(status_table(jobs, out, args.profile))
+        if args.profile == "full":  # what the chapters measure: python -m mrc_lib measure
+            print("\n".join(state_lines(out)))
     elif action == "work":
         work(find_job(jobs, args.job), out, args.deadline, args.profile,
              check_settings(args.set))

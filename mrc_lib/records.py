@@ -15,7 +15,9 @@ progress, never as a result (:func:`finished`).
 At the full profile a notebook's ``run.train(name, cfg, data)`` returns the record of ``name``
 instead of training when its config hash and data digests equal the new run's
 (:func:`lookup`); ``retrain`` forces training, and ``records_only`` (``reproduce
---records-only``) stops the chapter where it would train, saying why (:func:`match`).
+--records-only``) stops the chapter where it would train, saying why (:func:`match`). What
+a chapter measures at the full profile (speed, memory) is a record too, of kind
+``measurement`` (:mod:`mrc_lib.measurements`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ UNHASHED = ("device", "compile", "compile_mode", "pad_multiple", "checkpoint_eve
             "eval_batch_size")
 REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests", "dev",
             "history", "device")
+# A measurement's record (kind "measurement", :mod:`mrc_lib.measurements`) holds these instead.
+MEASUREMENT_REQUIRED = ("schema", "kind", "chapter", "run", "profile", "spec", "spec_hash",
+                        "device", "device_type", "result")
 
 
 def hashed(config: dict) -> dict:
@@ -103,7 +108,8 @@ def write_record(path: str | Path, record: dict) -> Path:
 
 
 def read_record(path: str | Path) -> dict:
-    """A record, checked; a corrupt one is a one-line :class:`UserError` naming the file."""
+    """A record (a training run's, or a measurement's), checked; a corrupt one is a one-line
+    :class:`UserError` naming the file."""
     path = Path(path)
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
@@ -111,7 +117,10 @@ def read_record(path: str | Path) -> dict:
         raise UserError(f"{path}: no run record") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{path}: corrupt run record: {e}") from None
-    missing = [k for k in REQUIRED if not isinstance(record, dict) or k not in record]
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: corrupt run record: not a JSON object")
+    required = MEASUREMENT_REQUIRED if record.get("kind") == "measurement" else REQUIRED
+    missing = [k for k in required if k not in record]
     if missing:
         raise UserError(f"{path}: corrupt run record: missing {', '.join(missing)}")
     return record

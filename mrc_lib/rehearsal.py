@@ -16,12 +16,13 @@ trains; the rehearsal checks them all, and those code paths:
 2. write there, for every queue run, a *stand-in* record (:func:`standin`): the chapter's smoke
    record of that run (else of the same reader, with the most hyperparameters in common) under
    the run's full-profile config, config hash and data digests, marked ``standin: true`` with
-   the device :data:`STANDIN_DEVICE`. Its numbers are the smoke run's: they mean nothing;
+   the device :data:`STANDIN_DEVICE`. Its numbers are the smoke run's: they mean nothing. Every
+   measurement of the book (:func:`mrc_lib.measurements.registry`: chapter 07's speeds) gets
+   one too, its smoke record under its full-profile spec (:func:`measurement_standin`);
 3. reproduce every chapter there at the full profile with ``--records-only``: a chapter that
-   would train a run stops, naming the record and why it does not match. Chapter 07 measures
-   every reader's speed at its full size (over half an hour of a 2-core CPU without an end in
-   sight), so it is not executed: what it draws from records is checked instead
-   (:func:`check_comparison`).
+   would train a run or make a measurement stops, naming the record and why it does not match.
+   Chapter 07 is then also checked for what it draws from the records (:func:`check_comparison`:
+   every headline reader scored, no claim "not yet measured").
 
 The data digests need each distinct full-profile data config loaded once (what ``queue
 prepare`` builds into the cache).
@@ -40,16 +41,19 @@ from mrc_lib.errors import UserError
 from mrc_lib.reproduce import NOTEBOOK_PATTERN
 
 STANDIN_DEVICE = "stand-in (rehearsal: a smoke record's numbers)"
-COMPARISON = "07_comparison"  # measures speeds at the full size: checked by check_comparison
+COMPARISON = "07_comparison"  # also checked by check_comparison
 
 
 def smoke_records(runs: Path) -> dict[str, list[tuple[str, dict]]]:
-    """Every chapter's smoke records under ``runs/<chapter>/smoke/``, as ``(run, record)``."""
+    """Every chapter's smoke records of training runs under ``runs/<chapter>/smoke/``, as
+    ``(run, record)``."""
     found: dict[str, list[tuple[str, dict]]] = {}
     for path in sorted(runs.glob("*/smoke/**/record.json")):
         chapter = path.relative_to(runs).parts[0]
         name = path.parent.relative_to(runs / chapter / "smoke").as_posix()
-        found.setdefault(chapter, []).append((name, records.read_record(path)))
+        record = records.read_record(path)
+        if "config" in record:  # not a measurement's
+            found.setdefault(chapter, []).append((name, record))
     return found
 
 
@@ -79,8 +83,25 @@ def standin(job, source: dict, digests: dict) -> dict:
             "device": STANDIN_DEVICE}
 
 
+def measurement_standin(m, runs: Path) -> dict:
+    """The stand-in record of measurement ``m``: its smoke record's result under its
+    full-profile spec."""
+    from mrc_lib import measurements
+
+    path = runs / m.chapter / "smoke" / m.name / "record.json"
+    if not path.is_file():
+        raise UserError(f"{path}: no smoke record of measurement {m.key}; run `python -m "
+                        f"mrc_lib reproduce {m.chapter} --profile smoke` first")
+    spec = m.spec("full")
+    return {**records.read_record(path), "profile": "full", "spec": spec,
+            "spec_hash": measurements.spec_hash(spec), "standin": True,
+            "device": STANDIN_DEVICE}
+
+
 def write_standins(jobs, runs: Path, book_runs: Path, log=print) -> int:
-    """Write every job's stand-in record under ``book_runs``; returns how many."""
+    """Write every job's and every measurement's stand-in record under ``book_runs``; returns
+    how many."""
+    from mrc_lib.measurements import registry
     from mrc_lib.queue import data_key
     from mrc_lib.train import load_data
 
@@ -93,7 +114,10 @@ def write_standins(jobs, runs: Path, book_runs: Path, log=print) -> int:
             digests[key] = load_data(cfg).digests
         record = standin(job, source_record(job, smoke), digests[key])
         records.write_record(records.record_path(job.entry.chapter, job.name, book_runs), record)
-    return len(jobs)
+    for m in registry().values():
+        records.write_record(records.record_path(m.chapter, m.name, book_runs),
+                             measurement_standin(m, runs))
+    return len(jobs) + len(registry())
 
 
 def check_comparison(book_runs: Path) -> str:
@@ -111,9 +135,8 @@ def check_comparison(book_runs: Path) -> str:
 def rehearse(jobs, dest: Path, runs: Path = records.ROOT / "runs",
              log=print) -> dict[str, str]:
     """Clone the repository into ``dest``, write the stand-ins there and reproduce each chapter
-    (chapter 07 checked by :func:`check_comparison`) at the full
-    profile with ``--records-only``. Returns, per chapter, ``ok`` or the error it stopped
-    with."""
+    at the full profile with ``--records-only`` (chapter 07 also checked by
+    :func:`check_comparison`). Returns, per chapter, ``ok`` or the error it stopped with."""
     if dest.exists() and any(dest.iterdir()):
         raise UserError(f"{dest}: not empty; queue rehearse clones the repository into a new "
                         "folder")
@@ -123,16 +146,14 @@ def rehearse(jobs, dest: Path, runs: Path = records.ROOT / "runs",
     env = {**os.environ, "PYTHONPATH": str(dest)}  # the clone's library, in its kernels too
     outcome = {}
     for chapter in chapters:
-        if chapter == COMPARISON:
-            outcome[chapter] = check_comparison(dest / "book" / "runs")
-            log(f"{chapter} (its records): {outcome[chapter]}")
-            continue
         done = subprocess.run([sys.executable, "-m", "mrc_lib", "reproduce", chapter,
                                "--profile", "full", "--records-only"], cwd=dest, env=env,
                               capture_output=True, text=True)
         errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
         outcome[chapter] = "ok" if done.returncode == 0 else (
             errors[-1] if errors else f"exit status {done.returncode}")
+        if chapter == COMPARISON and outcome[chapter] == "ok":
+            outcome[chapter] = check_comparison(dest / "book" / "runs")
         log(f"{chapter}: {outcome[chapter]}")
     (dest / "rehearsal.json").write_text(json.dumps(outcome, indent=1))
     return outcome

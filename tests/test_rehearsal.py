@@ -48,6 +48,7 @@ def test_a_chapter_reads_each_stand_in_as_its_runs_record(tmp_path, jobs, monkey
         return type("Data", (), {"digests": {"full": "1"}})()
 
     monkeypatch.setattr("mrc_lib.train.load_data", load_data)
+    monkeypatch.setattr("mrc_lib.measurements.registry", dict)  # tests/test_measurements.py
     assert rehearsal.write_standins(jobs, runs, book_runs, log=lambda line: None) == 3
     assert len(loads) == 1  # one load per distinct data config
     for job, payload in [(seed0, "seed0's"), (seed1, "seed0's"), (wide, "wide's")]:

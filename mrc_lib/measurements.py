@@ -1,0 +1,182 @@
+"""Measurements as run records: what a chapter measures of its readers (speed, memory) at the
+full profile, made once on a GPU and read by every later execution of the chapter.
+
+    python -m mrc_lib measure [--only GLOB] [--out DIR] [--retrain]   # on the GPU machine
+
+A training run's record lets a chapter re-execute on a CPU from what a GPU trained
+(:mod:`mrc_lib.records`). A chapter that also *measures* its readers (chapter 07 times every
+span reader at its full size) would, re-executed on a CPU, measure them again there: hours of
+a 2-core machine for numbers of another device, under a caption that named the GPU's schedule.
+So a measurement is a record too, ``book/runs/<chapter>/<name>.json`` at the full profile:
+
+* ``spec``: what is measured, as JSON (the protocol, the readers and a key of each reader's
+  hyperparameters), never the device; ``spec_hash`` is its hash;
+* ``result``: what the measurement returned; ``device``/``device_type``, torch, CUDA, commit
+  and ``seconds`` say where, with what and how long it ran.
+
+``run.measure(name)`` in a chapter (:meth:`mrc_lib.notebook.Run.measure`) returns the record of
+the chapter's measurement ``name`` when its spec hash matches (:func:`match`), measures and
+writes it otherwise; a measurement made on a CPU is never read by a run on a GPU (the GPU
+measures again). ``retrain`` measures anyway; ``records_only`` stops with the record and why
+it does not match. At the smoke profile it always measures, and the record goes to the run
+folder (for ``queue rehearse``'s stand-ins), like a smoke training run's.
+
+Every measurement the full book makes is in :func:`registry`, so that a GPU session makes them
+all with one command, before its training (a timing shares the GPU with nothing), into the
+runner folder, where ``queue pack``/``unpack``/``import`` carry them like training records.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from mrc_lib import records
+from mrc_lib.errors import UserError
+
+KIND = "measurement"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What chapter ``chapter`` measures as ``name``: ``spec(profile)`` says what (JSON, no
+    device), ``method(spec, device)`` measures it on a device (``cpu``, ``cuda``) and returns
+    the result (JSON)."""
+
+    chapter: str
+    name: str
+    spec: Callable[[str], dict]
+    method: Callable[[dict, str], dict]
+
+    @property
+    def key(self) -> str:
+        return f"{self.chapter}/{self.name}"
+
+
+def registry() -> dict[str, Measurement]:
+    """Every measurement of the book, by ``<chapter>/<name>``."""
+    from mrc_lib import comparison
+
+    found = [Measurement("07_comparison", "speed", comparison.speed_spec,
+                         comparison.measure_speed)]
+    return {m.key: m for m in found}
+
+
+def find(chapter: str, name: str) -> Measurement:
+    key = f"{chapter}/{name}"
+    if key not in registry():
+        raise UserError(f"no measurement {key!r}; known: {', '.join(registry())}")
+    return registry()[key]
+
+
+def spec_hash(spec: dict) -> str:
+    """SHA-256 (first 16 hex digits) of the spec."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def make(m: Measurement, profile: str, device: str, spec: dict | None = None) -> dict:
+    """Measure ``m`` at ``profile`` (its ``spec`` there, when the caller has it) on ``device``
+    (``auto``: CUDA when there is one); its record."""
+    import torch
+
+    from mrc_lib.train import device_name, resolve_device
+    from mrc_lib.utils import git_commit
+
+    dev = resolve_device(device)
+    spec = m.spec(profile) if spec is None else spec
+    tic = time.perf_counter()
+    result = m.method(spec, dev.type)
+    return {"schema": records.SCHEMA, "kind": KIND, "chapter": m.chapter, "run": m.name,
+            "profile": profile, "spec": spec, "spec_hash": spec_hash(spec),
+            "device": device_name(dev), "device_type": dev.type, "torch": torch.__version__,
+            "cuda": torch.version.cuda, "git_commit": git_commit(),
+            "seconds": round(time.perf_counter() - tic, 1), "result": result}
+
+
+def match(path: str | Path, spec: dict, device_type: str) -> tuple[dict | None, str | None]:
+    """``(record, None)`` if the record at ``path`` measured ``spec`` and a run on
+    ``device_type`` may read it (not a CPU's measurement read on a GPU), else ``(None, why
+    not)`` in a few words."""
+    path = Path(path)
+    if not path.exists():
+        return None, "no record"
+    record = records.read_record(path)
+    if record.get("kind") != KIND:
+        return None, "a training record, not a measurement"
+    if record["spec_hash"] != spec_hash(spec):
+        return None, f"a measurement of spec {record['spec_hash']}, not {spec_hash(spec)}"
+    if record["device_type"] == "cpu" and device_type == "cuda":
+        return None, f"measured on a CPU ({record['device']}); this run is on a GPU"
+    return record, None
+
+
+def provenance(record: dict) -> str:
+    """Where a measurement ran, for ``results.json``'s ``runs``."""
+    return (f"measured on {record['device']} (torch {record['torch']}), profile "
+            f"{record['profile']}, {record['seconds']:.0f} s")
+
+
+def select(patterns: list[str] | None) -> list[Measurement]:
+    found = list(registry().values())
+    if not patterns:
+        return found
+    if unmatched := [p for p in patterns if not any(fnmatch.fnmatchcase(m.key, p)
+                                                    for m in found)]:
+        raise UserError(f"--only {' '.join(unmatched)}: no measurement matches; known: "
+                        f"{', '.join(m.key for m in found)}")
+    return [m for m in found if any(fnmatch.fnmatchcase(m.key, p) for p in patterns)]
+
+
+def state_lines(out: Path | None = None, device_type: str = "cuda") -> list[str]:
+    """``done``/``missing`` for every measurement at the full profile, with the record (in
+    ``book/runs``, else under ``out/records``) that a run on ``device_type`` would read."""
+    lines = []
+    for m in registry().values():
+        spec = m.spec("full")
+        roots = [records.BOOK_RUNS, *([out / "records"] if out else [])]
+        found = [r for root in roots
+                 if (r := match(records.record_path(m.chapter, m.name, root), spec,
+                                device_type)[0]) is not None]
+        state = f"done ({found[0]['device']})" if found else "missing"
+        lines.append(f"{state:9} measurement {m.key}")
+    return lines
+
+
+def measure_cli(args) -> None:
+    """``python -m mrc_lib measure``: make every selected measurement at the full profile on
+    this machine's device, unless ``book/runs`` (or ``--out``'s records) already has it; write
+    each record under ``--out DIR/records`` (then ``queue pack`` carries it), or straight into
+    ``book/runs`` without ``--out``."""
+    from mrc_lib.train import resolve_device
+
+    device_type = resolve_device(args.device).type
+    out = Path(args.out) / "records" if args.out else None
+    for m in select(args.only):
+        dest, spec = records.record_path(m.chapter, m.name, out), m.spec("full")
+        if not args.retrain:
+            found = [r for path in {records.record_path(m.chapter, m.name), dest}
+                     if (r := match(path, spec, device_type)[0]) is not None]
+            if found:
+                print(f"{m.key}: measured on {found[0]['device']} already (--retrain to "
+                      "measure again)")
+                continue
+        record = make(m, "full", args.device, spec)
+        records.write_record(dest, record)
+        print(f"{m.key}: {record['seconds']:.0f} s on {record['device']} -> {dest}")
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("measure", help="the chapters' full-profile measurements (speed, "
+                       "memory), as run records")
+    s.add_argument("--only", action="append", metavar="GLOB",
+                   help="only the measurements whose <chapter>/<name> matches (repeatable)")
+    s.add_argument("--out", default=None, help="the runner's folder: records go to "
+                   "DIR/records/<chapter>/<name>.json (default: book/runs)")
+    s.add_argument("--device", default="auto", help="auto (CUDA when there is one), cuda, cpu")
+    s.add_argument("--retrain", action="store_true", help="measure even where a record matches")
+    s.set_defaults(func=measure_cli)
