@@ -4,13 +4,14 @@ full profile, made once on a GPU and read by every later execution of the chapte
     python -m mrc_lib measure [--only GLOB] [--out DIR] [--retrain]   # on the GPU machine
 
 A training run's record lets a chapter re-execute on a CPU from what a GPU trained
-(:mod:`mrc_lib.records`). A chapter that also *measures* its readers (chapter 07 times every
-span reader at its full size) would, re-executed on a CPU, measure them again there: hours of
-a 2-core machine for numbers of another device, under a caption that named the GPU's schedule.
+(:mod:`mrc_lib.records`). A chapter that also *measures* its readers (chapter 02 times Table
+4's encoders, chapter 07 every span reader at its full size) would, re-executed on a CPU,
+measure them again there: for chapter 07 hours of a 2-core machine, and for both another
+device's numbers beside the accuracy that a GPU trained.
 So a measurement is a record too, ``book/runs/<chapter>/<name>.json`` at the full profile:
 
-* ``spec``: what is measured, as JSON (the protocol, the readers and a key of each reader's
-  hyperparameters), never the device; ``spec_hash`` is its hash;
+* ``spec``: what is measured, as JSON (the protocol, the readers and their hyperparameters or
+  a hash of them), never the device; ``spec_hash`` is its hash;
 * ``result``: what the measurement returned; ``device``/``device_type``, torch, CUDA, commit
   and ``seconds`` say where, with what and how long it ran.
 
@@ -22,8 +23,9 @@ it does not match. At the smoke profile it always measures, and the record goes 
 folder (for ``queue rehearse``'s stand-ins), like a smoke training run's.
 
 Every measurement the full book makes is in :func:`registry`, so that a GPU session makes them
-all with one command, before its training (a timing shares the GPU with nothing), into the
-runner folder, where ``queue pack``/``unpack``/``import`` carry them like training records.
+all with one command, before its training (a timing shares the GPU with nothing), into a
+folder (``--out DIR``: ``DIR/records/<chapter>/<name>.json``) that ``queue import`` brings into
+``book/runs`` as it does training records.
 """
 
 from __future__ import annotations
@@ -60,9 +62,11 @@ class Measurement:
 
 def registry() -> dict[str, Measurement]:
     """Every measurement of the book, by ``<chapter>/<name>``."""
-    from mrc_lib import comparison
+    from mrc_lib import comparison, scaling
 
-    found = [Measurement("07_comparison", "speed", comparison.speed_spec,
+    found = [Measurement("02_dynsan", "table4_speed", scaling.table4_spec,
+                         scaling.measure_table4),
+             Measurement("07_comparison", "speed", comparison.speed_spec,
                          comparison.measure_speed)]
     return {m.key: m for m in found}
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mrc_lib import comparison, measurements, notebook, queue, records, rehearsal
+from mrc_lib import comparison, measurements, notebook, queue, records, rehearsal, scaling
 from mrc_lib.cli import main
 from mrc_lib.errors import UserError
 
@@ -157,3 +157,26 @@ def test_chapter_07_measures_its_readers_and_the_context_sweep():
     stopped = comparison.measure_speed({**spec, "protocol": {**spec["protocol"],
                                                               "step_limit": 0}}, "cpu")
     assert [r["length"] for r in stopped["sweep"]] == [16]  # over the limit: no longer lengths
+
+
+def test_every_measurement_of_the_book_has_a_json_spec_at_both_profiles():
+    for m in measurements.registry().values():
+        for profile in ("smoke", "full"):
+            spec = m.spec(profile)
+            assert spec == json.loads(json.dumps(spec)), m.key
+        assert m.spec("smoke") != m.spec("full"), m.key
+
+
+def test_chapter_02_measures_each_table_4_reader_its_own_way():
+    spec = scaling.table4_spec("smoke")
+    assert list(spec["rows"]) == list(scaling.TABLE4_SPEED_ROWS)
+    rows = spec["rows"]
+    assert rows["Full SAN (SDPA)"]["hparams"] == rows["Full SAN (materialized L×L)"]["hparams"]
+    assert rows["Full SAN (materialized L×L)"]["materialize"]
+    assert rows["Bi-BloSAN"]["hparams"]["conv"] is False
+    assert rows["DynSAN (K = 32)"]["hparams"]["top_k"] == 32
+    tiny = {**spec, "length": 24, "batch_size": 2,
+            "rows": {k: rows[k] for k in ("Bi-LSTM", "Full SAN (materialized L×L)")}}
+    result = scaling.measure_table4(tiny, "cpu")
+    assert list(result) == ["Bi-LSTM", "Full SAN (materialized L×L)"]
+    assert all(r["seconds_per_step"] > 0 and r["length"] == 24 for r in result.values())
