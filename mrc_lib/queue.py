@@ -1,6 +1,7 @@
 """The queue of full-profile runs (``mrc_lib/queue.yaml``) and the packed runner.
 
     python -m mrc_lib queue [--out DIR]                      # done / partial / missing
+                                                             # (and the measurements)
     python -m mrc_lib queue prepare                          # the data, into the cache
     python -m mrc_lib queue run --minutes M --out DIR [--parallel N] [--only GLOB] [--inbox DEST]
                                 [--set compile=true]

@@ -17,8 +17,9 @@ trains; the rehearsal checks them all, and those code paths:
    record of that run (else of the same reader, with the most hyperparameters in common) under
    the run's full-profile config, config hash and data digests, marked ``standin: true`` with
    the device :data:`STANDIN_DEVICE`. Its numbers are the smoke run's: they mean nothing. Every
-   measurement of the book (:func:`mrc_lib.measurements.registry`: chapter 07's speeds) gets
-   one too, its smoke record under its full-profile spec (:func:`measurement_standin`);
+   measurement of the book (:func:`mrc_lib.measurements.registry`: the speeds of chapters 02
+   and 07) gets one too, its smoke record under its full-profile spec
+   (:func:`measurement_standin`);
 3. reproduce every chapter there at the full profile with ``--records-only``: a chapter that
    would train a run or make a measurement stops, naming the record and why it does not match.
    Chapter 07 is then also checked for what it draws from the records (:func:`check_comparison`:
