@@ -208,16 +208,17 @@ def claims(records: list[dict]) -> list[list]:
     ]
 
 
-# The chapter's speed protocol per profile: every reader at one context length and batch
-# (``steps`` timed after ``warmup``), then each reader at every context length of ``lengths``
-# (batch ``sweep_batch``) until one training step takes over ``step_limit`` seconds.
-PROTOCOL = {
-    "smoke": {"seq_len": 256, "batch_size": 4, "steps": 2, "warmup": 1,
-              "lengths": [256, 1024, 4096], "sweep_batch": 1, "sweep_steps": 1,
-              "sweep_warmup": 0, "step_limit": 2},
-    "full": {"seq_len": 400, "batch_size": 32, "steps": 10, "warmup": 3,
-             "lengths": [256, 1024, 4096], "sweep_batch": 8, "sweep_steps": 5,
-             "sweep_warmup": 2, "step_limit": 10},
+# The chapter's two measurements per profile (:mod:`mrc_lib.measurements`), each its own
+# record so that a cut GPU command loses at most one. Speed: every reader at one context length
+# and batch, ``steps`` timed after ``warmup``. Context length: each reader at every length of
+# ``lengths`` (batch ``batch_size``) until one training step takes over ``step_limit`` seconds.
+SPEED = {"smoke": {"seq_len": 256, "batch_size": 4, "steps": 2, "warmup": 1},
+         "full": {"seq_len": 400, "batch_size": 32, "steps": 10, "warmup": 3}}
+CONTEXT_LENGTH = {
+    "smoke": {"lengths": [256, 1024, 4096], "batch_size": 1, "steps": 1, "warmup": 0,
+              "step_limit": 2},
+    "full": {"lengths": [256, 1024, 4096], "batch_size": 8, "steps": 5, "warmup": 2,
+             "step_limit": 10},
 }
 
 
@@ -232,32 +233,51 @@ def reader_key(model: str, profile: str) -> str:
                                             "ema_decay")})
 
 
-def speed_spec(profile: str) -> dict:
-    """What the chapter's speed measurement measures at ``profile``
-    (:mod:`mrc_lib.measurements`): the protocol and every span reader's :func:`reader_key`."""
+def _spec(protocols: dict, profile: str) -> dict:
     size = "smoke" if profile == "smoke" else "full"
     readers, _ = span_readers(size)
-    return {"size": size, "protocol": PROTOCOL[size],
+    return {"size": size, "protocol": protocols[size],
             "readers": {name: reader_key(name, size) for name in readers}}
 
 
+def speed_spec(profile: str) -> dict:
+    """What the speed measurement measures at ``profile``: :data:`SPEED`'s protocol and every
+    span reader's :func:`reader_key`."""
+    return _spec(SPEED, profile)
+
+
+def context_length_spec(profile: str) -> dict:
+    """What the context-length measurement measures at ``profile``: :data:`CONTEXT_LENGTH`'s
+    protocol and every span reader's :func:`reader_key`."""
+    return _spec(CONTEXT_LENGTH, profile)
+
+
 def measure_speed(spec: dict, device: str) -> dict:
-    """:func:`speed_spec`'s measurement on ``device``: ``readers`` (:func:`mrc_lib.bench.bench`
-    of each at ``seq_len``), ``sweep`` (training examples/s and peak memory per reader and
-    context length) and ``notes`` (a reader out of GPU memory at a length)."""
+    """:func:`speed_spec`'s measurement on ``device``: ``readers``, the
+    :func:`mrc_lib.bench.bench` of each."""
+    from mrc_lib.bench import bench
+
+    p = spec["protocol"]
+    return {"readers": {name: bench(name, p["seq_len"], p["batch_size"], p["steps"], device,
+                                    profile=spec["size"], warmup=p["warmup"])
+                        for name in spec["readers"]}}
+
+
+def measure_context_length(spec: dict, device: str) -> dict:
+    """:func:`context_length_spec`'s measurement on ``device``: ``sweep`` (training examples/s
+    and peak memory per reader and context length) and ``notes`` (a reader out of GPU memory
+    at a length)."""
     import torch
 
     from mrc_lib.bench import bench
 
-    size, p = spec["size"], spec["protocol"]
-    readers = {name: bench(name, p["seq_len"], p["batch_size"], p["steps"], device,
-                           profile=size, warmup=p["warmup"]) for name in spec["readers"]}
+    p = spec["protocol"]
     sweep, notes = [], []
     for name in spec["readers"]:
         for length in p["lengths"]:
             try:
-                b = bench(name, length, p["sweep_batch"], p["sweep_steps"], device,
-                          profile=size, warmup=p["sweep_warmup"])
+                b = bench(name, length, p["batch_size"], p["steps"], device,
+                          profile=spec["size"], warmup=p["warmup"])
             except torch.cuda.OutOfMemoryError:
                 notes.append(f"{name}: out of GPU memory at {length} context tokens")
                 torch.cuda.empty_cache()
@@ -265,9 +285,9 @@ def measure_speed(spec: dict, device: str) -> dict:
             sweep.append({"reader": name, "length": length,
                           "train ex/s": b["train_examples_per_s"],
                           "peak MiB": b["peak_memory_bytes"] / 2**20})
-            if p["sweep_batch"] / b["train_examples_per_s"] > p["step_limit"]:  # s per step
+            if p["batch_size"] / b["train_examples_per_s"] > p["step_limit"]:  # s per step
                 break
-    return {"readers": readers, "sweep": sweep, "notes": notes}
+    return {"sweep": sweep, "notes": notes}
 
 
 def span_readers(profile: str = "smoke") -> tuple[list[str], dict[str, str]]:

@@ -134,29 +134,28 @@ def test_rehearsal_stands_a_smoke_measurement_in_for_the_full_one(tmp_path, fake
     assert rehearsal.smoke_records(runs) == {}  # a measurement is no training run's source
 
 
-def test_chapter_07_speed_spec_names_every_span_reader_and_its_hyperparameters():
-    spec = comparison.speed_spec("smoke")
+def test_chapter_07_specs_name_every_span_reader_and_its_hyperparameters():
     readers, _ = comparison.span_readers("smoke")
-    assert list(spec["readers"]) == readers and spec["protocol"] == comparison.PROTOCOL["smoke"]
-    assert spec == json.loads(json.dumps(spec))  # JSON, hashable as it is stored
-    assert comparison.speed_spec("full")["readers"]["bidaf"] != spec["readers"]["bidaf"]
-    assert comparison.reader_key("bidaf", "full") == spec_reader("bidaf")
-
-
-def spec_reader(name: str) -> str:
-    return comparison.speed_spec("full")["readers"][name]
+    for spec_of, protocols in ((comparison.speed_spec, comparison.SPEED),
+                               (comparison.context_length_spec, comparison.CONTEXT_LENGTH)):
+        spec = spec_of("smoke")
+        assert list(spec["readers"]) == readers and spec["protocol"] == protocols["smoke"]
+        assert spec_of("full")["readers"]["bidaf"] != spec["readers"]["bidaf"]
+        assert spec_of("full")["readers"]["bidaf"] == comparison.reader_key("bidaf", "full")
 
 
 def test_chapter_07_measures_its_readers_and_the_context_sweep():
-    spec = {"size": "smoke", "readers": {"bidaf": "k"},
-            "protocol": {**comparison.PROTOCOL["smoke"], "seq_len": 16, "lengths": [16, 32]}}
-    result = comparison.measure_speed(spec, "cpu")
-    assert set(result["readers"]) == {"bidaf"} and result["notes"] == []
-    assert result["readers"]["bidaf"]["seq_len"] == 16
+    readers = {"size": "smoke", "readers": {"bidaf": "k"}}
+    speed = comparison.measure_speed(
+        {**readers, "protocol": {**comparison.SPEED["smoke"], "seq_len": 16}}, "cpu")
+    assert set(speed["readers"]) == {"bidaf"} and speed["readers"]["bidaf"]["seq_len"] == 16
+    sweep = {**readers, "protocol": {**comparison.CONTEXT_LENGTH["smoke"], "lengths": [16, 32]}}
+    result = comparison.measure_context_length(sweep, "cpu")
     assert [(r["reader"], r["length"]) for r in result["sweep"]] == [("bidaf", 16), ("bidaf", 32)]
-    stopped = comparison.measure_speed({**spec, "protocol": {**spec["protocol"],
-                                                              "step_limit": 0}}, "cpu")
-    assert [r["length"] for r in stopped["sweep"]] == [16]  # over the limit: no longer lengths
+    assert result["notes"] == []
+    sweep["protocol"]["step_limit"] = 0  # every step is over the limit: no longer length
+    stopped = comparison.measure_context_length(sweep, "cpu")
+    assert [r["length"] for r in stopped["sweep"]] == [16]
 
 
 def test_every_measurement_of_the_book_has_a_json_spec_at_both_profiles():
