@@ -17,7 +17,8 @@ from mrc_lib.errors import UserError
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike):
-    """Yield a temporary path next to ``path``; rename it onto ``path`` only on success.
+    """Yield a temporary path next to ``path``; rename it onto ``path`` only on success, with
+    the permissions a plain ``open()`` would have given it (``mkstemp``'s are owner-only).
 
     A crash or exception leaves the old file (if any) untouched and no partial file behind.
     """
@@ -27,11 +28,19 @@ def atomic_path(path: str | os.PathLike):
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, _new_file_mode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _new_file_mode() -> int:
+    """The mode ``open()`` gives a new file: ``0o666`` less the process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def atomic_write_bytes(path, data: bytes) -> None:

@@ -4,6 +4,8 @@ full profile when the config and the data are the same."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -73,6 +75,14 @@ def test_writes_are_atomic_and_oversized_records_refused(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="over 1000000"):
         records.write_record(path, {**good, "analysis": "x" * records.MAX_BYTES})
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+    # readable as a file written by open(), not owner-only as mkstemp's temporary file
+    mask = os.umask(0o022)
+    try:
+        records.write_record(path, good)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    finally:
+        os.umask(mask)
+    before = path.read_bytes()
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
