@@ -99,23 +99,16 @@ class Run:
         from mrc_lib.train import load_data, train
 
         data = data if data is not None else load_data(cfg)
-        path = self.record_path(name)
-        retrain = self.retrain if retrain is None else retrain
-        if not self.smoke and not retrain:
-            found, why = records.match(path, cfg.to_dict(), data.digests)
-            if found is not None:
-                self._note(name, found, record=str(path.relative_to(records.ROOT)))
-                return found
-            if self.records_only:
-                raise UserError(f"{path}: {why}; run {name!r} would train, and records_only "
-                                "(reproduce --records-only) never trains")
-        out = self.out_dir / name
-        metrics = train(cfg, out, resume=(out / "checkpoint.pt").exists(), data=data)
-        record = records.make_record(metrics, chapter=self.chapter, run=name,
-                                     log_path=out / "log.jsonl")
-        records.write_record(path, record)
-        self._note(name, record, trained=True)
-        return record
+        path, out = self.record_path(name), self.out_dir / name
+
+        def trained() -> dict:
+            metrics = train(cfg, out, resume=(out / "checkpoint.pt").exists(), data=data)
+            return records.make_record(metrics, chapter=self.chapter, run=name,
+                                       log_path=out / "log.jsonl")
+
+        return self._record(name, path, lambda: records.match(path, cfg.to_dict(), data.digests),
+                            trained, self.retrain if retrain is None else retrain,
+                            f"run {name!r} would train")
 
     def measure(self, name: str) -> dict:
         """The record of this chapter's measurement ``name``
@@ -124,21 +117,33 @@ class Run:
         unless ``retrain``; with ``records_only`` a missing one is a one-line
         :class:`UserError`. Otherwise it measures on this run's device and writes the record
         (:meth:`record_path`)."""
-        from mrc_lib import measurements, records
+        from mrc_lib import measurements
 
         m = measurements.find(self.chapter, name)
         path, spec = self.record_path(name), m.spec(self.profile)
-        if not self.smoke and not self.retrain:
-            found, why = measurements.match(path, spec, self.device.type)
+        return self._record(name, path, lambda: measurements.match(path, spec, self.device.type),
+                            lambda: measurements.make(m, self.profile, self.device.type, spec),
+                            self.retrain, f"measurement {name!r} would run")
+
+    def _record(self, name: str, path: Path, match, make, retrain: bool, would: str) -> dict:
+        """At the full profile and unless ``retrain``, the record ``match()`` finds at ``path``
+        (``(record, None)`` or ``(None, why not)``); with ``records_only`` a miss is a
+        one-line :class:`UserError` saying why and what ``would`` happen. Otherwise ``make()``'s
+        record, written to ``path``."""
+        from mrc_lib import records
+
+        if not self.smoke and not retrain:
+            found, why = match()
             if found is not None:
                 self._note(name, found, record=str(path.relative_to(records.ROOT)))
                 return found
             if self.records_only:
-                raise UserError(f"{path}: {why}; measurement {name!r} would run, and "
-                                "records_only (reproduce --records-only) never measures")
-        record = measurements.make(m, self.profile, self.device.type, spec)
+                raise UserError(f"{path}: {why}; {would}, and records_only (reproduce "
+                                "--records-only) never does")
+        record = make()
         records.write_record(path, record)
-        self._note(name, record, measured=True)
+        self._note(name, record, **{"measured" if record.get("kind") == "measurement"
+                                    else "trained": True})
         return record
 
     def _note(self, name: str, found: dict, **source) -> None:
