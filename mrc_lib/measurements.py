@@ -139,17 +139,18 @@ def select(patterns: list[str] | None) -> list[Measurement]:
     return [m for m in found if any(fnmatch.fnmatchcase(m.key, p) for p in patterns)]
 
 
-def state_lines(out: Path | None = None, device_type: str = "cuda") -> list[str]:
-    """``done``/``missing`` for every measurement at the full profile, with the record (in
-    ``book/runs``, else under ``out/records``) that a run on ``device_type`` would read."""
+def state_lines(out: Path | None = None) -> list[str]:
+    """Where every measurement stands at the full profile, from its record in ``book/runs``
+    (else under ``out/records``): ``done`` with the GPU it ran on, ``cpu only`` when only a
+    CPU measured it (a GPU measures again), else ``missing``."""
     lines = []
     for m in registry().values():
-        spec = m.spec("full")
-        roots = [records.BOOK_RUNS, *([out / "records"] if out else [])]
-        found = [r for root in roots
-                 if (r := match(records.record_path(m.chapter, m.name, root), spec,
-                                device_type)[0]) is not None]
-        state = f"done ({found[0]['device']})" if found else "missing"
+        spec, state = m.spec("full"), "missing"
+        for root in (records.BOOK_RUNS, *([out / "records"] if out else [])):
+            found = match(records.record_path(m.chapter, m.name, root), spec, "cpu")[0]
+            if found is not None and (state == "missing" or found["device_type"] != "cpu"):
+                where = "cpu only" if found["device_type"] == "cpu" else "done"
+                state = f"{where} ({found['device']})"
         lines.append(f"{state:9} measurement {m.key}")
     return lines
 

@@ -106,9 +106,14 @@ def test_the_command_measures_into_the_runner_folder_and_queue_import_brings_it(
     assert made.is_file() and len(calls) == 1
     assert main(["measure", "--out", str(out), "--device", "cpu"]) == 0
     assert len(calls) == 1 and "measured on" in capsys.readouterr().out.splitlines()[-1]
-    assert measurements.state_lines(out, "cpu") == [f"{'done (' + made_device(made) + ')':9} "
-                                                   "measurement ch/speed"]
-    assert measurements.state_lines(None, "cpu") == ["missing   measurement ch/speed"]
+    cpu_only = f"cpu only ({made_device(made)}) measurement ch/speed"
+    assert measurements.state_lines(out) == [cpu_only]
+    gpu = {**records.read_record(made), "device": "NVIDIA H100", "device_type": "cuda"}
+    records.write_record(records.record_path("ch", "speed"), gpu)  # a GPU's, in book/runs
+    assert measurements.state_lines(out) == ["done (NVIDIA H100) measurement ch/speed"]
+    assert measurements.state_lines(None) == ["done (NVIDIA H100) measurement ch/speed"]
+    records.record_path("ch", "speed").unlink()
+    assert measurements.state_lines(None) == ["missing   measurement ch/speed"]
     assert queue.import_records(out) == [records.record_path("ch", "speed")]
     assert main(["measure", "--only", "nothing/*"]) == 2
     assert "no measurement matches" in capsys.readouterr().err
