@@ -34,6 +34,7 @@ import fnmatch
 import hashlib
 import json
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,11 +160,13 @@ def measure_cli(args) -> None:
     """``python -m mrc_lib measure``: make every selected measurement at the full profile on
     this machine's device, unless ``book/runs`` (or ``--out``'s records) already has it; write
     each record under ``--out DIR/records`` (then ``queue pack`` carries it), or straight into
-    ``book/runs`` without ``--out``."""
+    ``book/runs`` without ``--out``. A measurement that fails is named and does not stop the
+    others (GPU minutes are scarce); the command then ends with an error naming them all."""
     from mrc_lib.train import resolve_device
 
     device_type = resolve_device(args.device).type
     out = Path(args.out) / "records" if args.out else None
+    failed = []
     for m in select(args.only):
         dest, spec = records.record_path(m.chapter, m.name, out), m.spec("full")
         if not args.retrain:
@@ -173,9 +176,18 @@ def measure_cli(args) -> None:
                 print(f"{m.key}: measured on {found[0]['device']} already (--retrain to "
                       "measure again)")
                 continue
-        record = make(m, "full", args.device, spec)
+        try:
+            record = make(m, "full", args.device, spec)
+        except Exception as e:  # noqa: BLE001 - reported, and the others still run
+            failed.append(m.key)
+            print(f"{m.key}: FAILED: {type(e).__name__}: {e}".splitlines()[0], flush=True)
+            traceback.print_exc()
+            continue
         records.write_record(dest, record)
-        print(f"{m.key}: {record['seconds']:.0f} s on {record['device']} -> {dest}")
+        print(f"{m.key}: {record['seconds']:.0f} s on {record['device']} -> {dest}", flush=True)
+    if failed:
+        raise UserError(f"{len(failed)} measurement(s) failed: {', '.join(failed)} (tracebacks "
+                        "above)")
 
 
 def add_parser(sub) -> None:

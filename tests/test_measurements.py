@@ -184,3 +184,19 @@ def test_chapter_02_measures_each_table_4_reader_its_own_way():
     result = scaling.measure_table4(tiny, "cpu")
     assert list(result) == ["Bi-LSTM", "Full SAN (materialized L×L)"]
     assert all(r["seconds_per_step"] > 0 and r["length"] == 24 for r in result.values())
+
+
+def test_a_failing_measurement_is_named_and_the_others_still_run(tmp_path, fake, monkeypatch,
+                                                                 capsys):
+    m, calls, _ = fake
+
+    def broken(spec, device):
+        raise RuntimeError("CUDA out of memory\nmore")
+
+    bad = measurements.Measurement("ch", "broken", m.spec, broken)
+    monkeypatch.setattr(measurements, "registry", lambda: {bad.key: bad, m.key: m})
+    assert main(["measure", "--out", str(tmp_path / "q"), "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert "ch/broken: FAILED: RuntimeError: CUDA out of memory" in out
+    assert (tmp_path / "q" / "records" / "ch" / "speed.json").is_file() and len(calls) == 1
+    assert "1 measurement(s) failed: ch/broken" in err
