@@ -30,9 +30,6 @@ folder (``--out DIR``: ``DIR/records/<chapter>/<name>.json``) that ``queue impor
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
-import json
 import time
 import traceback
 from collections.abc import Callable
@@ -41,8 +38,7 @@ from pathlib import Path
 
 from mrc_lib import records
 from mrc_lib.errors import UserError
-
-KIND = "measurement"
+from mrc_lib.utils import select_keys
 
 
 @dataclass(frozen=True)
@@ -76,15 +72,15 @@ def registry() -> dict[str, Measurement]:
 
 
 def find(chapter: str, name: str) -> Measurement:
-    key = f"{chapter}/{name}"
-    if key not in registry():
-        raise UserError(f"no measurement {key!r}; known: {', '.join(registry())}")
-    return registry()[key]
+    key, known = f"{chapter}/{name}", registry()
+    if key not in known:
+        raise UserError(f"no measurement {key!r}; known: {', '.join(known)}")
+    return known[key]
 
 
 def spec_hash(spec: dict) -> str:
-    """SHA-256 (first 16 hex digits) of the spec."""
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+    """What a record's ``spec_hash`` holds: the spec's :func:`mrc_lib.records.json_hash`."""
+    return records.json_hash(spec)
 
 
 def make(m: Measurement, profile: str, device: str, spec: dict | None = None) -> dict:
@@ -99,8 +95,8 @@ def make(m: Measurement, profile: str, device: str, spec: dict | None = None) ->
     spec = m.spec(profile) if spec is None else spec
     tic = time.perf_counter()
     result = m.method(spec, dev.type)
-    return {"schema": records.SCHEMA, "kind": KIND, "chapter": m.chapter, "run": m.name,
-            "profile": profile, "spec": spec, "spec_hash": spec_hash(spec),
+    return {"schema": records.SCHEMA, "kind": records.MEASUREMENT, "chapter": m.chapter,
+            "run": m.name, "profile": profile, "spec": spec, "spec_hash": spec_hash(spec),
             "device": device_name(dev), "device_type": dev.type, "torch": torch.__version__,
             "cuda": torch.version.cuda, "git_commit": git_commit(),
             "seconds": round(time.perf_counter() - tic, 1), "result": result}
@@ -114,7 +110,7 @@ def match(path: str | Path, spec: dict, device_type: str) -> tuple[dict | None, 
     if not path.exists():
         return None, "no record"
     record = records.read_record(path)
-    if record.get("kind") != KIND:
+    if not records.is_measurement(record):
         return None, "a training record, not a measurement"
     if record["spec_hash"] != spec_hash(spec):
         return None, f"a measurement of spec {record['spec_hash']}, not {spec_hash(spec)}"
@@ -127,17 +123,6 @@ def provenance(record: dict) -> str:
     """Where a measurement ran, for ``results.json``'s ``runs``."""
     return (f"measured on {record['device']} (torch {record['torch']}), profile "
             f"{record['profile']}, {record['seconds']:.0f} s")
-
-
-def select(patterns: list[str] | None) -> list[Measurement]:
-    found = list(registry().values())
-    if not patterns:
-        return found
-    if unmatched := [p for p in patterns if not any(fnmatch.fnmatchcase(m.key, p)
-                                                    for m in found)]:
-        raise UserError(f"--only {' '.join(unmatched)}: no measurement matches; known: "
-                        f"{', '.join(m.key for m in found)}")
-    return [m for m in found if any(fnmatch.fnmatchcase(m.key, p) for p in patterns)]
 
 
 def state_lines(out: Path | None = None) -> list[str]:
@@ -167,7 +152,7 @@ def measure_cli(args) -> None:
     device_type = resolve_device(args.device).type
     out = Path(args.out) / "records" if args.out else None
     failed = []
-    for m in select(args.only):
+    for m in select_keys(list(registry().values()), args.only, "measurement"):
         dest, spec = records.record_path(m.chapter, m.name, out), m.spec("full")
         if not args.retrain:
             found = [r for path in {records.record_path(m.chapter, m.name), dest}

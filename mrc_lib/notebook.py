@@ -142,7 +142,7 @@ class Run:
                                 "--records-only) never does")
         record = make()
         records.write_record(path, record)
-        self._note(name, record, **{"measured" if record.get("kind") == "measurement"
+        self._note(name, record, **{"measured" if records.is_measurement(record)
                                     else "trained": True})
         return record
 
@@ -150,7 +150,7 @@ class Run:
         """Where run ``name``'s metrics came from (``results.json``'s ``runs``)."""
         from mrc_lib import records
 
-        if found.get("kind") == "measurement":
+        if records.is_measurement(found):
             from mrc_lib.measurements import provenance
 
             self.runs[name] = {**source, "profile": found["profile"], "complete": True,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
 import hashlib
 import io
 import json
@@ -48,7 +47,14 @@ from pathlib import Path
 
 from mrc_lib import records
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_write_bytes, atomic_write_json, cut_parts, join_parts, slug
+from mrc_lib.utils import (
+    atomic_write_bytes,
+    atomic_write_json,
+    cut_parts,
+    join_parts,
+    select_keys,
+    slug,
+)
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
 PACKING_RESULTS = records.ROOT / "benchmarks" / "results"  # benchmarks/gpu_packing.py's output
@@ -179,12 +185,7 @@ def load_queue(path: str | Path = QUEUE_FILE) -> list[Job]:
 def select(jobs: list[Job], patterns: list[str] | None) -> list[Job]:
     """The jobs whose ``<chapter>/<run>`` matches one of the shell ``patterns`` (all jobs
     without patterns); a pattern that matches no job is an error, as a typo would be."""
-    if not patterns:
-        return jobs
-    if unmatched := [p for p in patterns if not any(fnmatch.fnmatchcase(j.key, p)
-                                                    for j in jobs)]:
-        raise UserError(f"--only {' '.join(unmatched)}: no run of the queue matches")
-    return [j for j in jobs if any(fnmatch.fnmatchcase(j.key, p) for p in patterns)]
+    return select_keys(jobs, patterns, "run of the queue")
 
 
 # --- where each job stands ---------------------------------------------------------------------

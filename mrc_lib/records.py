@@ -41,7 +41,8 @@ UNHASHED = ("device", "compile", "compile_mode", "pad_multiple", "checkpoint_eve
             "eval_batch_size")
 REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests", "dev",
             "history", "device")
-# A measurement's record (kind "measurement", :mod:`mrc_lib.measurements`) holds these instead.
+# A measurement's record (kind MEASUREMENT, :mod:`mrc_lib.measurements`) holds these instead.
+MEASUREMENT = "measurement"
 MEASUREMENT_REQUIRED = ("schema", "kind", "chapter", "run", "profile", "spec", "spec_hash",
                         "device", "device_type", "result")
 
@@ -57,9 +58,19 @@ def hashed(config: dict) -> dict:
     return kept
 
 
+def json_hash(obj) -> str:
+    """SHA-256 (first 16 hex digits) of ``obj`` as JSON with sorted keys."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def config_hash(config: dict) -> str:
-    """SHA-256 (first 16 hex digits) of :func:`hashed` ``config``."""
-    return hashlib.sha256(json.dumps(hashed(config), sort_keys=True).encode()).hexdigest()[:16]
+    """:func:`json_hash` of :func:`hashed` ``config``."""
+    return json_hash(hashed(config))
+
+
+def is_measurement(record: dict) -> bool:
+    """Whether ``record`` is a measurement's (:mod:`mrc_lib.measurements`), not a run's."""
+    return record.get("kind") == MEASUREMENT
 
 
 def record_path(chapter: str, run: str, root: Path | None = None) -> Path:
@@ -119,7 +130,7 @@ def read_record(path: str | Path) -> dict:
         raise UserError(f"{path}: corrupt run record: {e}") from None
     if not isinstance(record, dict):
         raise UserError(f"{path}: corrupt run record: not a JSON object")
-    required = MEASUREMENT_REQUIRED if record.get("kind") == "measurement" else REQUIRED
+    required = MEASUREMENT_REQUIRED if is_measurement(record) else REQUIRED
     missing = [k for k in required if k not in record]
     if missing:
         raise UserError(f"{path}: corrupt run record: missing {', '.join(missing)}")

@@ -53,7 +53,7 @@ def smoke_records(runs: Path) -> dict[str, list[tuple[str, dict]]]:
         chapter = path.relative_to(runs).parts[0]
         name = path.parent.relative_to(runs / chapter / "smoke").as_posix()
         record = records.read_record(path)
-        if "config" in record:  # not a measurement's
+        if not records.is_measurement(record):
             found.setdefault(chapter, []).append((name, record))
     return found
 

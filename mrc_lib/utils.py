@@ -4,6 +4,7 @@ commit."""
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import hashlib
 import json
 import os
@@ -41,6 +42,17 @@ def _new_file_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+def select_keys(items: list, patterns: list[str] | None, what: str) -> list:
+    """The ``items`` whose ``key`` matches one of the shell ``patterns`` (all of them without
+    patterns); a pattern that matches none is a :class:`UserError` (``--only``: a typo)."""
+    if not patterns:
+        return items
+    if unmatched := [p for p in patterns
+                     if not any(fnmatch.fnmatchcase(item.key, p) for item in items)]:
+        raise UserError(f"--only {' '.join(unmatched)}: no {what} matches")
+    return [item for item in items if any(fnmatch.fnmatchcase(item.key, p) for p in patterns)]
 
 
 def atomic_write_bytes(path, data: bytes) -> None:
