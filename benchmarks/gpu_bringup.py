@@ -38,9 +38,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib.bench import SQUAD_TRAIN_EXAMPLES, setup, time_steps  # noqa: E402
+from mrc_lib import records  # noqa: E402
+from mrc_lib.bench import SQUAD_TRAIN_EXAMPLES, full_readers, setup, time_steps  # noqa: E402
 from mrc_lib.config import CHOICES  # noqa: E402
-from mrc_lib.models import MODELS  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     compiled,
     count_parameters,
@@ -83,6 +83,7 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
+              "config_hash": records.config_hash(cfg.to_dict()),
               "params": count_parameters(model), "speed": {}}
     for k, seq_len in enumerate(seq_lens):
         result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k), s.optimizer,
@@ -90,21 +91,6 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
     result["peak_memory_bytes"] = peak_memory_bytes(dev)
     return result
-
-
-def readers() -> list[str]:
-    """The registered readers that the full profile configures."""
-    from mrc_lib.config import profile_values
-    from mrc_lib.errors import UserError
-
-    names = []
-    for name in sorted(MODELS):
-        try:
-            profile_values("full", name)
-        except UserError:
-            continue
-        names.append(name)
-    return names
 
 
 def main(argv=None) -> dict:
@@ -128,7 +114,7 @@ def main(argv=None) -> dict:
                "cuda": torch.version.cuda, "compile": args.compile,
                "compile_mode": args.compile_mode if args.compile else None, "tiny": args.tiny,
                "seq_lens": seq_lens, "steps": steps, "models": {}}
-    for name in args.models.split(",") if args.models else readers():
+    for name in args.models.split(",") if args.models else full_readers():
         tic = time.perf_counter()
         try:
             results["models"][name] = measure(name, args.device, seq_lens, steps, args.tiny,

@@ -39,8 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.gpu_bringup import readers  # noqa: E402
-from mrc_lib.bench import SyntheticVocab, synthetic_batch  # noqa: E402
+from mrc_lib.bench import SyntheticVocab, full_readers, synthetic_batch  # noqa: E402
 from mrc_lib.config import resolve_config  # noqa: E402
 from mrc_lib.models import build_model  # noqa: E402
 from mrc_lib.tasks import get_task  # noqa: E402
@@ -107,7 +106,7 @@ def main(argv=None) -> dict:
     results = {"what": "ATen operations of one forward and backward, views apart; the graphs "
                "torch.compile would capture of the training forward and its loss",
                "torch": torch.__version__, "tiny": args.tiny, "models": {}}
-    for name in args.models.split(",") if args.models else readers():
+    for name in args.models.split(",") if args.models else full_readers():
         results["models"][name] = count(name, 16 if args.tiny else args.seq_len, args.tiny)
         print(name, results["models"][name]["ops"], results["models"][name]["graphs"],
               flush=True)

@@ -156,6 +156,22 @@ class Setup:
                 synthetic_batch(self.vocab, self.cfg.batch_size, seq_len, seed=seed).items()}
 
 
+def full_readers() -> list[str]:
+    """The registered readers that the full profile configures."""
+    from mrc_lib.config import profile_values
+    from mrc_lib.errors import UserError
+    from mrc_lib.models import MODELS
+
+    names = []
+    for name in sorted(MODELS):
+        try:
+            profile_values("full", name)
+        except UserError:
+            continue
+        names.append(name)
+    return names
+
+
 def setup(model_name: str, profile: str = "full", overrides: Sequence[str] = (),
           vocab_size: int | None = None) -> Setup:
     """Reader ``model_name`` with ``profile``'s hyperparameters (and ``overrides``), seeded,

@@ -30,6 +30,7 @@ folder (``--out DIR``: ``DIR/records/<chapter>/<name>.json``) that ``queue impor
 
 from __future__ import annotations
 
+import argparse
 import time
 import traceback
 from collections.abc import Callable
@@ -153,7 +154,7 @@ def measure_cli(args) -> None:
     out = Path(args.out) / "records" if args.out else None
     failed = []
     for m in select_keys(list(registry().values()), args.only, "measurement"):
-        dest, spec = records.record_path(m.chapter, m.name, out), m.spec("full")
+        dest, spec = records.record_path(m.chapter, m.name, out), m.spec(args.profile)
         if not args.retrain:
             found = [r for path in {records.record_path(m.chapter, m.name), dest}
                      if (r := match(path, spec, device_type)[0]) is not None]
@@ -162,7 +163,7 @@ def measure_cli(args) -> None:
                       "measure again)")
                 continue
         try:
-            record = make(m, "full", args.device, spec)
+            record = make(m, args.profile, args.device, spec)
         except Exception as e:  # noqa: BLE001 - reported, and the others still run
             failed.append(m.key)
             print(f"{m.key}: FAILED: {type(e).__name__}: {e}".splitlines()[0], flush=True)
@@ -184,4 +185,5 @@ def add_parser(sub) -> None:
                    "DIR/records/<chapter>/<name>.json (default: book/runs)")
     s.add_argument("--device", default="auto", help="auto (CUDA when there is one), cuda, cpu")
     s.add_argument("--retrain", action="store_true", help="measure even where a record matches")
+    s.add_argument("--profile", default="full", help=argparse.SUPPRESS)  # smoke: tests
     s.set_defaults(func=measure_cli)

@@ -1,0 +1,436 @@
+"""A GPU session in one command. The device tool lends a session 15 device-minutes: one
+machine start and one command of at most 10 minutes. This script is that command. It spends
+the time on what is still missing for this GPU, in this order:
+
+1. ``bringup``: every reader forward and backward, its speeds and peak memory
+   (``gpu_bringup.py``). It runs again when a reader's config hash differs from its entry.
+2. ``measure``: the chapters' measurements that no GPU has made (``python -m mrc_lib measure``).
+3. ``packing``: how many training processes share the GPU best (``gpu_packing.py``).
+4. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
+   mode and with CUDA graphs (``gpu_bringup.py --compile``).
+5. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
+
+Then it packs what it wrote into at most eight files under ``--out``: ``session.tar`` (the
+benchmark files, the logs and ``session.json``, one entry per step) and the queue's bundles
+``b1``, ``b2``. The queue's bundles carry the records, measurements included. A step is
+skipped when its result is already on file for this GPU. A step that fails or runs out of time
+is named in ``session.json``, and the next step still runs.
+
+    python benchmarks/gpu_session.py prepare --only '05_ea_reader/*'   # CPU side: the data
+    python benchmarks/gpu_session.py run --out $OUT --only '05_ea_reader/*'   # the command
+    python benchmarks/gpu_session.py import FILES_AT                   # CPU side: into the repo
+
+``prepare`` loads the selected runs' data here, where spaCy, the raw files and GloVe are,
+notes the cache folders that the loading reads from and writes them to
+``.devcache/travel.tar.gz``. SQuAD's training texts stay behind (training never reads them)
+unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds that from the
+whole folder. ``run`` unpacks that file into a cache of its own. ``--tiny`` is the
+script's own check (CI): small readers, the smoke profile, seconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from mrc_lib import queue, records  # noqa: E402
+from mrc_lib.errors import UserError  # noqa: E402
+from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+TRAVEL = ROOT / ".devcache" / "travel.tar.gz"
+RUNNER = ROOT / "runs" / "queue"
+INBOX = ROOT / "runs" / "inbox"
+WORK = ROOT / "runs" / "session"
+BUNDLE_MIB = 26  # bundle 1 is the next session's carry-over, beside the tree and the data
+MAX_FILES = 8  # what comes back from one command
+PACK_SECONDS = 30  # kept for packing at the end
+RUNNER_EXIT = 15  # for `queue run` to print its table and exit
+COMPILE_MODELS = "qanet,dynsan"  # launch-bound at the first bring-up (how_to_reproduce.md)
+PY = sys.executable
+
+
+@dataclass
+class Session:
+    """What the steps share: the options, this device's name and the folders."""
+
+    args: argparse.Namespace
+    device: str
+    work: Path
+    results: Path  # where this device's earlier results are read
+    deadline: float
+    env: dict = field(default_factory=dict)
+    log: list = field(default_factory=list)
+
+    @property
+    def tiny(self) -> bool:
+        return self.args.tiny
+
+    def result(self, name: str) -> Path:
+        """Where this command writes benchmark file ``name`` (``name`` with the device)."""
+        return self.work / "results" / name.format(device=slug(self.device))
+
+    def on_file(self, name: str) -> dict | None:
+        """This device's benchmark file ``name``: written by this command, else on file."""
+        for folder in (self.work / "results", self.results):
+            path = folder / name.format(device=slug(self.device))
+            if path.is_file():
+                return json.loads(path.read_text(encoding="utf-8"))
+        return None
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step: ``skip(session)`` says why it is not needed (``None``: run it); ``argv`` its
+    command; it starts only with ``least`` seconds left, and runs at most ``cap`` seconds."""
+
+    name: str
+    cap: float
+    least: float
+    skip: Callable[[Session], str | None]
+    argv: Callable[[Session, float], list[str]]
+
+
+# --- the steps ----------------------------------------------------------------------------------
+
+
+def bringup_skip(s: Session) -> str | None:
+    from mrc_lib.bench import full_readers
+    from mrc_lib.config import resolve_config
+
+    found = s.on_file("gpu_{device}.json")
+    if s.tiny or found is None:
+        return None
+    stale = [name for name in full_readers()
+             if found["models"].get(name, {}).get("config_hash")
+             != records.config_hash(resolve_config(name, profile="full").to_dict())]
+    return None if stale else "every reader's bring-up matches its config"
+
+
+def bringup_argv(s: Session, budget: float) -> list[str]:
+    tiny = ["--device", "cpu", "--tiny", "--models", "bidaf"] if s.tiny else []
+    return [PY, "benchmarks/gpu_bringup.py", *tiny, "--out", str(s.result("gpu_{device}.json"))]
+
+
+def measure_skip(s: Session) -> str | None:
+    from mrc_lib.measurements import state_lines
+
+    if s.tiny or any(not line.startswith("done") for line in state_lines(s.args.runner)):
+        return None
+    return "every measurement was made on a GPU"
+
+
+def measure_argv(s: Session, budget: float) -> list[str]:
+    tiny = ["--device", "cpu", "--profile", "smoke", "--only", "07_comparison/speed"]
+    return [PY, "-m", "mrc_lib", "measure", "--out", str(s.args.runner), *(tiny if s.tiny else [])]
+
+
+def packing_skip(s: Session) -> str | None:
+    found = s.on_file("packing_{device}.json")
+    return "on file" if found and found.get("recommended_parallel") and not s.tiny else None
+
+
+def packing_argv(s: Session, budget: float) -> list[str]:
+    tiny = ["--device", "cpu", "--tiny", "--models", "bidaf", "--parallel", "1,2",
+            "--seconds", "0.5"]
+    return [PY, "benchmarks/gpu_packing.py", *(tiny if s.tiny else []),
+            "--out", str(s.result("packing_{device}.json"))]
+
+
+def compile_step(name: str, mode: str, file: str) -> Step:
+    def skip(s: Session) -> str | None:
+        return "CUDA only" if s.tiny else "on file" if s.on_file(file) else None
+
+    def argv(s: Session, budget: float) -> list[str]:
+        return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
+                "--models", COMPILE_MODELS, "--seq-len", "140,400,250",
+                "--out", str(s.result(file))]
+
+    return Step(name, 180, 120, skip, argv)
+
+
+def train_skip(s: Session) -> str | None:
+    if not s.args.only:
+        return "no --only (the runs to train are those whose data was carried)"
+    jobs = queue.select(queue.load_queue(s.args.queue_file), s.args.only)
+    todo = queue.pending(jobs, s.args.runner, s.args.profile)
+    return None if todo else "no run selected by --only is left"
+
+
+def parallel(s: Session) -> int:
+    """``--parallel``, else what the packing benchmark recommends for this GPU, else 2."""
+    if s.args.parallel:
+        return s.args.parallel
+    found = s.on_file("packing_{device}.json")
+    return int(found["recommended_parallel"]) if found and not s.tiny and \
+        found.get("recommended_parallel") else 2
+
+
+def train_argv(s: Session, budget: float) -> list[str]:
+    minutes = (budget - RUNNER_EXIT) / 60  # its trainers stop a --reserve before that
+    return [PY, "-m", "mrc_lib", "queue", "run", "--minutes", f"{minutes:.2f}",
+            "--out", str(s.args.runner), "--parallel", str(parallel(s)),
+            "--file", str(s.args.queue_file), "--profile", s.args.profile,
+            *(f"--only={p}" for p in s.args.only or []), *(f"--set={v}" for v in s.args.set)]
+
+
+STEPS = [
+    Step("bringup", 150, 60, bringup_skip, bringup_argv),
+    Step("measure", 330, 120, measure_skip, measure_argv),
+    Step("packing", 240, 120, packing_skip, packing_argv),
+    compile_step("compile", "default", "gpu_{device}_compile.json"),
+    compile_step("compile_ro", "reduce-overhead", "gpu_{device}_compile_reduce_overhead.json"),
+    Step("train", 600, 150, train_skip, train_argv),
+]
+
+
+# --- running them -------------------------------------------------------------------------------
+
+
+def run_step(s: Session, step: Step) -> dict:
+    """Run one step as its own process group, at most ``cap`` seconds and never past the
+    session's end; its output goes to ``logs/<step>.log``."""
+    try:
+        why = step.skip(s)
+        budget = min(step.cap, s.left() - PACK_SECONDS)
+        argv = None if why or budget < step.least else step.argv(s, budget)
+    except Exception as e:  # noqa: BLE001 (named, and the next step runs)
+        return {"step": step.name, "state": f"failed: {type(e).__name__}: {e}"}
+    if argv is None:
+        return {"step": step.name, "state": "skipped", "why": why or f"{budget:.0f} s left"}
+    log = s.work / "logs" / f"{step.name}.log"
+    print(f"[{step.name}] up to {budget:.0f} s: {' '.join(argv[1:])}", flush=True)
+    tic = time.perf_counter()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env=os.environ | s.env, start_new_session=True)
+        try:
+            code = proc.wait(timeout=budget)
+            state = "done" if code == 0 else f"failed (exit {code})"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            state = "cut at its time"
+    tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
+    return {"step": step.name, "state": state, "seconds": round(time.perf_counter() - tic, 1),
+            "command": argv[1:], "log_tail": tail}
+
+
+def unpack_travel(path: Path, cache: Path) -> str:
+    """The carried data, unpacked into a cache of its own."""
+    with tarfile.open(path) as tar:
+        tar.extractall(cache, filter="data")
+    return f"{path.stat().st_size / 2**20:.1f} MiB of data from {path} into {cache}"
+
+
+def pack_out(s: Session, out: Path) -> list[str]:
+    """``session.tar`` and as many of the runner's bundles as fit the files that come back."""
+    atomic_write_json(s.work / "session.json", {
+        "device": s.device, "started": s.args.started, "minutes": s.args.minutes,
+        "only": s.args.only, "steps": s.log})
+    out.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(out / "session.tar", "w") as tar:
+        for name in ("session.json", "results", "logs"):
+            if (s.work / name).exists():
+                tar.add(s.work / name, arcname=name)
+    notes, used = [], 1
+    if s.args.runner.is_dir():
+        bundle, n_bundles = 1, 1
+        while bundle <= n_bundles:
+            files, n_bundles = queue.pack(s.args.runner, out / f"b{bundle}", bundle,
+                                          BUNDLE_MIB * 2**20)
+            if used + len(files) > MAX_FILES:
+                shutil.rmtree(out / f"b{bundle}")
+                notes.append(f"bundles {bundle}-{n_bundles} stay here: over {MAX_FILES} files")
+                break
+            used += len(files)
+            bundle += 1
+    return notes
+
+
+def session(args) -> dict:
+    """``run``: every step in turn, then the files to take back."""
+    from mrc_lib.train import device_name, resolve_device
+
+    args.started = datetime.now(UTC).isoformat(timespec="seconds")
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    for sub in ("results", "logs"):
+        (work / sub).mkdir(parents=True)
+    s = Session(args, device_name(resolve_device("cpu" if args.tiny else "cuda")), work,
+                Path(args.results), time.time() + 60 * args.minutes)
+    try:  # without its data or carry-over a run fails or starts over; the benchmarks still run
+        if args.travel and Path(args.travel).is_file():
+            s.env["MRC_CACHE_DIR"] = str(work / "cache")
+            s.log.append({"step": "data",
+                          "state": unpack_travel(Path(args.travel), work / "cache")})
+        restored = queue.restore(args.runner, args.inbox, log=lambda line: None)
+        s.log.append({"step": "inbox", "state": "unpacked" if restored else "nothing to unpack"})
+    except Exception as e:  # noqa: BLE001 (named in session.json)
+        s.log.append({"step": "data and inbox", "state": f"failed: {type(e).__name__}: {e}"})
+    chosen = args.steps.split(",")
+    for step in STEPS:
+        if step.name in chosen:
+            s.log.append(run_step(s, step))
+            print(f"[{step.name}] {s.log[-1]['state']}", s.log[-1].get("why", ""), flush=True)
+    notes = pack_out(s, Path(args.out))
+    for note in notes:
+        print(note)
+    return {"device": s.device, "steps": s.log, "notes": notes}
+
+
+# --- the CPU side -------------------------------------------------------------------------------
+
+
+_READ: set[Path] | None = None  # the cache files read while prepare() records them
+
+
+def _audit(event: str, event_args: tuple) -> None:
+    """Note each file opened for reading while :data:`_READ` records."""
+    if _READ is None or event != "open" or not isinstance(event_args[0], (str, os.PathLike)):
+        return
+    mode, flags = event_args[1], event_args[2]
+    if (mode.startswith("r") and "+" not in mode) if mode else \
+            not flags & (os.O_WRONLY | os.O_RDWR):
+        _READ.add(Path(event_args[0]).resolve())
+
+
+def prepare(args) -> Path:
+    """Load the selected runs' data here and write the cache folders that loading read from
+    to ``--travel``, SQuAD's training texts left out unless a multi-passage run needs them."""
+    global _READ
+    from mrc_lib.data.sources import cache_root
+
+    jobs = queue.select(queue.load_queue(args.queue_file), args.only)
+    root = cache_root().resolve()
+    _READ = set()
+    if _audit not in _HOOKED:
+        sys.addaudithook(_audit)
+        _HOOKED.append(_audit)
+    try:
+        queue.prepare(jobs)
+        folders = {p.parent for p in _READ if p.is_relative_to(root)
+                   and (p.parent / "meta.json").is_file()}
+    finally:
+        _READ = None
+    # The training texts are read by the multi-passage build alone; dev's, by evaluation.
+    texts = any("passages" in job.config().data_options for job in jobs)
+    files = sorted(p for folder in folders for p in folder.iterdir()
+                   if p.is_file() and (texts or p.name != "train.json.gz"))
+    travel = Path(args.travel)
+    travel.parent.mkdir(parents=True, exist_ok=True)
+    part = travel.with_name(travel.name + ".part")
+    with tarfile.open(part, "w:gz") as tar:
+        for path in files:
+            tar.add(path, arcname=str(path.relative_to(root)))
+    part.replace(travel)
+    mib = travel.stat().st_size / 2**20
+    print(f"{travel}: {len(files)} files from {len(folders)} folder(s), {mib:.1f} MiB (carry "
+          "it; the tree and runs/inbox travel too, 64 MiB in all)")
+    return travel
+
+
+_HOOKED: list = []  # an audit hook cannot be removed: install it once per process
+
+
+def import_session(args) -> list[str]:
+    """``import``: keep what came back outside the repository, copy the benchmark files into
+    ``benchmarks/results``, unpack the bundles into the runner folder, import its records into
+    ``book/runs`` and make ``runs/inbox`` the carry-over of the next session."""
+    source = Path(args.source)
+    keep = Path(args.keep or ROOT.parent / "back" / datetime.now(UTC).strftime(
+        "%Y%m%dT%H%M%S"))
+    if not (source / "session.tar").is_file():
+        raise UserError(f"{source}: no session.tar (not what `gpu_session.py run` wrote)")
+    shutil.copytree(source, keep, dirs_exist_ok=True)
+    with tarfile.open(keep / "session.tar") as tar:
+        tar.extractall(keep / "session", filter="data")
+    summary = json.loads((keep / "session" / "session.json").read_text(encoding="utf-8"))
+    lines = [f"{summary['device']}, {summary['started']}: kept in {keep}"]
+    lines += [f"  {step['step']}: {step['state']} {step.get('why', '')}".rstrip()
+              for step in summary["steps"]]
+    results = Path(args.results)
+    for path in sorted((keep / "session" / "results").glob("*.json")):
+        shutil.copyfile(path, results / path.name)
+        lines.append(f"benchmark {results / path.name}")
+    bundles = sorted(keep.glob("b[0-9]*"))
+    if bundles:
+        names, left_out = queue.unpack(bundles, args.runner)
+        lines += [f"record {p}" for p in queue.import_records(args.runner)]
+        lines += [f"left out, a bundle missing: {unit}" for unit in left_out]
+        shutil.rmtree(args.inbox, ignore_errors=True)
+        if any(not json.loads(p.read_text(encoding="utf-8"))["complete"]
+               for p in args.runner.rglob("status.json")):
+            queue.pack(args.runner, args.inbox / "1", 1, BUNDLE_MIB * 2**20)
+            lines.append(f"carry-over {args.inbox / '1'}: commit it")
+        else:
+            lines.append(f"no partial run: no carry-over ({args.inbox} removed)")
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("action", choices=["prepare", "run", "import"])
+    p.add_argument("source", nargs="?", help="import: the folder the device tool's files lie in")
+    p.add_argument("--only", action="append", metavar="GLOB",
+                   help="the queue runs to prepare and train (repeatable)")
+    p.add_argument("--out", help="run: where the files to take back go ($OUT)")
+    p.add_argument("--minutes", type=float, default=8.5,
+                   help="run: the session's wall clock, packing included")
+    p.add_argument("--steps", default=",".join(step.name for step in STEPS),
+                   help="run: the steps to consider, comma-separated")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="train: processes (default: the packing benchmark's, else 2)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="train: how every run is computed (queue run --set)")
+    p.add_argument("--travel", default=str(TRAVEL), help="the data file (prepare writes it)")
+    p.add_argument("--keep", default=None, help="import: where to keep what came back "
+                   "(default ../back/<time>)")
+    p.add_argument("--tiny", action="store_true", help="the script's own check, on a CPU")
+    p.add_argument("--queue-file", default=str(queue.QUEUE_FILE), help=argparse.SUPPRESS)
+    p.add_argument("--profile", default="full", help=argparse.SUPPRESS)
+    p.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
+    p.add_argument("--runner", type=Path, default=RUNNER, help=argparse.SUPPRESS)
+    p.add_argument("--inbox", type=Path, default=INBOX, help=argparse.SUPPRESS)
+    p.add_argument("--work", default=str(WORK), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        if args.action == "prepare":
+            return prepare(args)
+        if args.action == "run":
+            if not args.out:
+                p.error("run needs --out (the device tool's $OUT)")
+            return session(args)
+        if not args.source:
+            p.error("import needs the folder the device tool's files lie in")
+        lines = import_session(args)
+        print("\n".join(lines))
+        return lines
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
