@@ -61,6 +61,7 @@ PACKING_RESULTS = records.ROOT / "benchmarks" / "results"  # benchmarks/gpu_pack
 EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
+COMMAND_MINUTES = 9.0  # the most one GPU command trains (10 minutes, less start and pack)
 LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
 
 
@@ -290,16 +291,21 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
               reserve: float = 60.0, profile: str = "full", queue_file: Path = QUEUE_FILE,
               settings: tuple[str, ...] = (), log=print) -> dict[str, int]:
     """Run the pending jobs as ``parallel`` worker processes until ``minutes`` minus
-    ``reserve`` seconds from now (the trainers' deadline), each with ``settings``; return each
-    started job's exit status (0: complete or cleanly stopped)."""
+    ``reserve`` seconds from now (the trainers' deadline), each with ``settings``, starting
+    only what :func:`startable` allows; return each started job's exit status (0: complete or
+    cleanly stopped)."""
     deadline = time.time() + 60 * minutes - reserve
     todo = pending(jobs, out, profile)
     running: dict[str, tuple[subprocess.Popen, object]] = {}
     codes: dict[str, int] = {}
     out.mkdir(parents=True, exist_ok=True)
     while todo or running:
-        while todo and len(running) < parallel and time.time() < deadline:
-            job = todo.pop(0)
+        while len(running) < parallel and time.time() < deadline:
+            left = (deadline - time.time()) / 60
+            job = next((j for j in todo if startable(j, out, left)), None)
+            if job is None:
+                break
+            todo.remove(job)
             log(f"start {job.key} (priority {job.priority}, ~{job.entry.minutes:.0f} min)")
             folder = out / job.entry.chapter / job.name
             folder.mkdir(parents=True, exist_ok=True)
@@ -319,7 +325,20 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
                 del running[key]
                 log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
                     f"(exit {proc.returncode}; log {out / key / 'worker.log'})")
+    for job in todo:
+        log(f"not started {job.key}: ~{job.entry.minutes:g} min, too long for what was left")
     return codes
+
+
+def startable(job: Job, out: Path, left: float) -> bool:
+    """Whether to start ``job`` with ``left`` minutes before the trainers' deadline. A run
+    that resumes (its folder holds a checkpoint) starts, and so does one whose estimate is
+    longer than a GPU command (:data:`COMMAND_MINUTES`: it goes on from its checkpoint in the
+    next); a shorter one starts only if its estimate fits what is left. Cut, it would take its
+    steps again in a later command unless its checkpoint travelled, and a shorter run may fit
+    instead."""
+    return (progress_of(job, out) is not None or job.entry.minutes > COMMAND_MINUTES
+            or job.entry.minutes <= left)
 
 
 def measured_parallel(results: Path = PACKING_RESULTS) -> int:

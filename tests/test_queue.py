@@ -361,3 +361,23 @@ def test_parallel_auto_reads_the_packing_benchmark_of_this_gpu(tmp_path, monkeyp
         queue.measured_parallel(tmp_path)
     path.write_text(json.dumps({"recommended_parallel": 6}))
     assert queue.measured_parallel(tmp_path) == 6
+
+
+def test_a_run_that_cannot_finish_in_what_is_left_is_not_started(tmp_path, tiny_queue):
+    q = write_queue(tmp_path, {"tq": [
+        {"run": "short", "model": "bidaf", "priority": 1, "minutes": 4, "schedule": "tiny",
+         "overrides": TINY},
+        {"run": "long", "model": "bidaf", "priority": 1, "minutes": 20, "schedule": "tiny",
+         "overrides": TINY}]})
+    short, long = queue.load_queue(q)
+    out = tmp_path / "q"
+    assert queue.startable(short, out, left=4)
+    assert not queue.startable(short, out, left=3.9)  # cut, it would start over
+    assert queue.startable(long, out, left=1)  # longer than any command: it resumes in the next
+    (out / "tq" / "short").mkdir(parents=True)
+    (out / "tq" / "short" / "status.json").write_text(json.dumps({"fraction": 0.5}))
+    assert queue.startable(short, out, left=1)  # it resumes
+    lines = []
+    assert queue.run_queue([short], tmp_path / "empty", minutes=5, reserve=120,
+                           queue_file=q, log=lines.append) == {}
+    assert lines == ["not started tq/short: ~4 min, too long for what was left"]
