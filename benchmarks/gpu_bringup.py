@@ -127,6 +127,8 @@ def main(argv=None) -> dict:
                                                 results["models"][name].get("error")),
               flush=True)
         atomic_write_json(out, results)  # after each reader: a command cut short keeps them
+    results["complete"] = True  # and has no "complete"
+    atomic_write_json(out, results)
     print(out)
     return results
 

@@ -174,6 +174,8 @@ def main(argv=None) -> dict:
             atomic_write_json(out, results)  # after each measurement: a cut command keeps them
             if "error" in series[str(n)]:
                 break
+    results["complete"] = True  # a command cut short leaves the file without it
+    atomic_write_json(out, results)
     print(out)
     return results
 

@@ -13,7 +13,8 @@ the time on what is still missing for this GPU, in this order:
 Then it packs what it wrote into at most eight files under ``--out``: ``session.tar`` (the
 benchmark files, the logs and ``session.json``, one entry per step) and the queue's bundles
 ``b1``, ``b2``. The queue's bundles carry the records, measurements included. A step is
-skipped when its result is already on file for this GPU. A step that fails or runs out of time
+skipped when its result is already on file for this GPU, whole (a benchmark file that a cut
+left without ``"complete": true`` is measured again). A step that fails or runs out of time
 is named in ``session.json``, and the next step still runs.
 
     python benchmarks/gpu_session.py prepare --only '05_ea_reader/*'   # CPU side: the data
@@ -116,7 +117,7 @@ def bringup_skip(s: Session) -> str | None:
     from mrc_lib.config import resolve_config
 
     found = s.on_file("gpu_{device}.json")
-    if s.tiny or found is None:
+    if s.tiny or found is None or not found.get("complete"):
         return None
     stale = [name for name in full_readers()
              if found["models"].get(name, {}).get("config_hash")
@@ -144,7 +145,7 @@ def measure_argv(s: Session, budget: float) -> list[str]:
 
 def packing_skip(s: Session) -> str | None:
     found = s.on_file("packing_{device}.json")
-    return "on file" if found and found.get("recommended_parallel") and not s.tiny else None
+    return "on file" if found and found.get("complete") and not s.tiny else None
 
 
 def packing_argv(s: Session, budget: float) -> list[str]:
@@ -156,7 +157,8 @@ def packing_argv(s: Session, budget: float) -> list[str]:
 
 def compile_step(name: str, mode: str, file: str) -> Step:
     def skip(s: Session) -> str | None:
-        return "CUDA only" if s.tiny else "on file" if s.on_file(file) else None
+        found = s.on_file(file)
+        return "CUDA only" if s.tiny else "on file" if found and found.get("complete") else None
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,

@@ -65,7 +65,7 @@ def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     result = bringup.main(["--device", "cpu", "--tiny", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
-    assert set(result["models"]) == set(full_readers()) and result["tiny"]
+    assert set(result["models"]) == set(full_readers()) and result["tiny"] and result["complete"]
     assert {"bidaf", "qanet", "rnet", "decaprop", "dynsan", "phasecond"} <= set(result["models"])
     for name, m in result["models"].items():
         assert "error" not in m, (name, m.get("error"))
@@ -199,7 +199,7 @@ def test_gpu_packing_sums_concurrent_processes_tiny_on_cpu(tmp_path):
     assert "no_such_reader" in result["models"]["no_such_reader"]["1"]["error"]
     assert result["best_parallel"] == {"bidaf": 1 if bidaf["1"]["train_examples_per_s"]
                                        >= 0.95 * bidaf["2"]["train_examples_per_s"] else 2}
-    assert result["recommended_parallel"] in (1, 2)
+    assert result["recommended_parallel"] in (1, 2) and result["complete"]
 
 
 def test_gpu_packing_recommends_the_best_geometric_mean():

@@ -101,9 +101,11 @@ def test_bringup_runs_again_when_a_readers_config_changed(tmp_path):
         resolve_config(name, profile="full").to_dict())} for name in full_readers()}
     path = results / "gpu_cpu.json"
     path.write_text(json.dumps({"models": models}))
+    assert gs.bringup_skip(s) is None  # cut short: no "complete"
+    path.write_text(json.dumps({"models": models, "complete": True}))
     assert gs.bringup_skip(s) == "every reader's bring-up matches its config"
     models["bidaf"]["config_hash"] = "another"
-    path.write_text(json.dumps({"models": models}))
+    path.write_text(json.dumps({"models": models, "complete": True}))
     assert gs.bringup_skip(s) is None
 
 
