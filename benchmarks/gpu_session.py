@@ -10,9 +10,9 @@ the time on what is still missing for this GPU, in this order:
    mode and with CUDA graphs (``gpu_bringup.py --compile``).
 5. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
 
-Then it packs what it wrote into at most eight files under ``--out``: ``session.tar`` (the
-benchmark files, the logs and ``session.json``, one entry per step) and the queue's bundles
-``b1``, ``b2``. The queue's bundles carry the records, measurements included. A step is
+Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
+and ``session.json``, one entry per step) and the runner folder's bundle 1, ``b1``: every
+record, measurements included, and the partial runs that the next session can resume. A step is
 skipped when its result is already on file for this GPU, whole (a benchmark file that a cut
 left without ``"complete": true`` is measured again). A step that fails or runs out of time
 is named in ``session.json``, and the next step still runs.
@@ -58,7 +58,6 @@ RUNNER = ROOT / "runs" / "queue"
 INBOX = ROOT / "runs" / "inbox"
 WORK = ROOT / "runs" / "session"
 BUNDLE_MIB = 26  # bundle 1 is the next session's carry-over, beside the tree and the data
-MAX_FILES = 8  # what comes back from one command
 PACK_SECONDS = 30  # kept for packing at the end
 RUNNER_EXIT = 15  # for `queue run` to print its table and exit
 COMPILE_MODELS = "qanet,dynsan"  # launch-bound at the first bring-up (how_to_reproduce.md)
@@ -247,27 +246,26 @@ def unpack_travel(path: Path, cache: Path) -> str:
 
 
 def pack_out(s: Session, out: Path) -> list[str]:
-    """``session.tar`` and as many of the runner's bundles as fit the files that come back."""
+    """Bundle 1 of the runner folder (every record, and what the next session resumes from)
+    and ``session.tar``. A partial run whose checkpoint does not fit bundle 1 could come back
+    but never be carried on, so none of it is sent."""
+    notes = []
+    out.mkdir(parents=True, exist_ok=True)
+    if s.args.runner.is_dir():
+        queue.pack(s.args.runner, out / "b1", 1, BUNDLE_MIB * 2**20)
+        listing = json.loads((out / "b1" / "queue.json").read_text(encoding="utf-8"))
+        for unit in listing["units"]:
+            if any(piece["bundle"] != 1 for piece in unit["pieces"]):
+                for piece in unit["pieces"]:
+                    (out / "b1" / piece["name"]).unlink(missing_ok=True)
+                notes.append(f"{unit['unit']} stays here: over the {BUNDLE_MIB} MiB carried on")
     atomic_write_json(s.work / "session.json", {
         "device": s.device, "started": s.args.started, "minutes": s.args.minutes,
-        "only": s.args.only, "steps": s.log})
-    out.mkdir(parents=True, exist_ok=True)
+        "only": s.args.only, "steps": s.log, "notes": notes})
     with tarfile.open(out / "session.tar", "w") as tar:
         for name in ("session.json", "results", "logs"):
             if (s.work / name).exists():
                 tar.add(s.work / name, arcname=name)
-    notes, used = [], 1
-    if s.args.runner.is_dir():
-        bundle, n_bundles = 1, 1
-        while bundle <= n_bundles:
-            files, n_bundles = queue.pack(s.args.runner, out / f"b{bundle}", bundle,
-                                          BUNDLE_MIB * 2**20)
-            if used + len(files) > MAX_FILES:
-                shutil.rmtree(out / f"b{bundle}")
-                notes.append(f"bundles {bundle}-{n_bundles} stay here: over {MAX_FILES} files")
-                break
-            used += len(files)
-            bundle += 1
     return notes
 
 

@@ -44,7 +44,7 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     assert states == {"data": states["data"], "inbox": "nothing to unpack", "bringup": "done",
                       "measure": "done", "compile": "skipped", "train": "done"}, result
     back = [p for p in paths["out"].rglob("*") if p.is_file()]
-    assert len(back) <= gs.MAX_FILES and (paths["out"] / "session.tar").is_file()
+    assert len(back) <= 8 and (paths["out"] / "session.tar").is_file()
     assert (paths["out"] / "b1" / "queue.json").is_file()
 
     book = tmp_path / "book" / "runs"
@@ -130,3 +130,23 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
     back = tmp_path / "back"
     gs.queue.unpack([inbox / "1"], back)  # what the next session starts from
     assert (back / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
+
+
+def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(gs.queue, "PIECE_BYTES", 20_000)
+    monkeypatch.setattr(gs, "BUNDLE_MIB", 40_000 / 2**20)
+    runner = tmp_path / "runner"
+    for name, size in (("small", 10_000), ("large", 60_000)):
+        (runner / "ch" / name).mkdir(parents=True)
+        (runner / "ch" / name / "status.json").write_text(json.dumps({"complete": False}))
+        (runner / "ch" / name / "checkpoint.pt").write_bytes(bytes(size))
+    s = session(tmp_path / "w")
+    s.args.runner, s.args.started, s.args.minutes, s.args.only = runner, "now", 1, None
+    assert gs.pack_out(s, tmp_path / "out") == ["ch/large stays here: over the "
+                                                 f"{gs.BUNDLE_MIB} MiB carried on"]
+    back = tmp_path / "back"
+    assert gs.queue.unpack([tmp_path / "out" / "b1"], back)[1] == ["ch/large"]
+    assert (back / "ch" / "small" / "checkpoint.pt").stat().st_size == 10_000
+    with tarfile.open(tmp_path / "out" / "session.tar") as tar:
+        assert json.load(tar.extractfile("session.json"))["notes"] == [
+            f"ch/large stays here: over the {gs.BUNDLE_MIB} MiB carried on"]
