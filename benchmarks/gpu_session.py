@@ -370,6 +370,7 @@ def import_session(args) -> list[str]:
     lines = [f"{summary['device']}, {summary['started']}: kept in {keep}"]
     lines += [f"  {step['step']}: {step['state']} {step.get('why', '')}".rstrip()
               for step in summary["steps"]]
+    lines += [f"  {note}" for note in summary.get("notes", [])]
     results = Path(args.results)
     for path in sorted((keep / "session" / "results").glob("*.json")):
         shutil.copyfile(path, results / path.name)
@@ -378,7 +379,7 @@ def import_session(args) -> list[str]:
     if bundles:
         names, left_out = queue.unpack(bundles, args.runner)
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
-        lines += [f"left out, a bundle missing: {unit}" for unit in left_out]
+        lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
         if any(not json.loads(p.read_text(encoding="utf-8"))["complete"]
                for p in args.runner.rglob("status.json")):
