@@ -195,7 +195,7 @@ def train_argv(s: Session, budget: float) -> list[str]:
 STEPS = [
     Step("bringup", 150, 60, bringup_skip, bringup_argv),
     Step("measure", 330, 120, measure_skip, measure_argv),
-    Step("packing", 240, 120, packing_skip, packing_argv),
+    Step("packing", 270, 200, packing_skip, packing_argv),
     compile_step("compile", "default", "gpu_{device}_compile.json"),
     compile_step("compile_ro", "reduce-overhead", "gpu_{device}_compile_reduce_overhead.json"),
     Step("train", 600, 150, train_skip, train_argv),
