@@ -251,14 +251,18 @@ def pack_out(s: Session, out: Path) -> list[str]:
     but never be carried on, so none of it is sent."""
     notes = []
     out.mkdir(parents=True, exist_ok=True)
-    if s.args.runner.is_dir():
-        queue.pack(s.args.runner, out / "b1", 1, BUNDLE_MIB * 2**20)
-        listing = json.loads((out / "b1" / "queue.json").read_text(encoding="utf-8"))
-        for unit in listing["units"]:
-            if any(piece["bundle"] != 1 for piece in unit["pieces"]):
-                for piece in unit["pieces"]:
-                    (out / "b1" / piece["name"]).unlink(missing_ok=True)
-                notes.append(f"{unit['unit']} stays here: over the {BUNDLE_MIB} MiB carried on")
+    try:  # session.tar is written whatever happens here
+        if s.args.runner.is_dir():
+            queue.pack(s.args.runner, out / "b1", 1, BUNDLE_MIB * 2**20)
+            listing = json.loads((out / "b1" / "queue.json").read_text(encoding="utf-8"))
+            for unit in listing["units"]:
+                if any(piece["bundle"] != 1 for piece in unit["pieces"]):
+                    for piece in unit["pieces"]:
+                        (out / "b1" / piece["name"]).unlink(missing_ok=True)
+                    notes.append(f"{unit['unit']} stays here: over the {BUNDLE_MIB} MiB "
+                                 "carried on")
+    except Exception as e:  # noqa: BLE001 (named in session.json)
+        notes.append(f"packing the runner folder failed: {type(e).__name__}: {e}")
     atomic_write_json(s.work / "session.json", {
         "device": s.device, "started": s.args.started, "minutes": s.args.minutes,
         "only": s.args.only, "steps": s.log, "notes": notes})

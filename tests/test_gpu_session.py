@@ -60,10 +60,11 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     assert "no partial run" in lines[-1] and not paths["inbox"].exists()
 
 
-def session(tmp_path, minutes: float = 1.0, tiny: bool = True, results=None) -> gs.Session:
+def session(tmp_path, minutes: float = 1.0, tiny: bool = True, results=None,
+            runner=None) -> gs.Session:
     (tmp_path / "logs").mkdir(parents=True, exist_ok=True)
-    return gs.Session(Namespace(tiny=tiny), "cpu", tmp_path, results or tmp_path,
-                      time.time() + 60 * minutes)
+    args = Namespace(tiny=tiny, runner=runner, started="now", minutes=minutes, only=None)
+    return gs.Session(args, "cpu", tmp_path, results or tmp_path, time.time() + 60 * minutes)
 
 
 def test_a_step_that_fails_or_outruns_its_time_is_named_and_stopped(tmp_path):
@@ -140,8 +141,7 @@ def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypa
         (runner / "ch" / name).mkdir(parents=True)
         (runner / "ch" / name / "status.json").write_text(json.dumps({"complete": False}))
         (runner / "ch" / name / "checkpoint.pt").write_bytes(bytes(size))
-    s = session(tmp_path / "w")
-    s.args.runner, s.args.started, s.args.minutes, s.args.only = runner, "now", 1, None
+    s = session(tmp_path / "w", runner=runner)
     assert gs.pack_out(s, tmp_path / "out") == ["ch/large stays here: over the "
                                                  f"{gs.BUNDLE_MIB} MiB carried on"]
     back = tmp_path / "back"
@@ -150,3 +150,13 @@ def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypa
     with tarfile.open(tmp_path / "out" / "session.tar") as tar:
         assert json.load(tar.extractfile("session.json"))["notes"] == [
             f"ch/large stays here: over the {gs.BUNDLE_MIB} MiB carried on"]
+
+
+def test_session_tar_comes_back_when_packing_the_runner_fails(tmp_path):
+    runner = tmp_path / "runner" / "ch" / "r"
+    runner.mkdir(parents=True)
+    (runner / "status.json").write_text("{")  # a worker killed mid-write, say
+    s = session(tmp_path / "w", runner=runner.parent.parent)
+    notes = gs.pack_out(s, tmp_path / "out")
+    assert len(notes) == 1 and notes[0].startswith("packing the runner folder failed: ")
+    assert (tmp_path / "out" / "session.tar").is_file()
