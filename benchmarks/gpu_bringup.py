@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
                                                 results["models"][name].get("error")),
               flush=True)
         atomic_write_json(out, results)  # after each reader: a command cut short keeps them
-    results["complete"] = True  # and has no "complete"
+    results["complete"] = True  # a command cut short leaves the file without it
     atomic_write_json(out, results)
     print(out)
     return results
