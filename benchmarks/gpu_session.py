@@ -32,6 +32,7 @@ script's own check (CI): small readers, the smoke profile, seconds per step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -130,9 +131,9 @@ def bringup_argv(s: Session, budget: float) -> list[str]:
 
 
 def measure_skip(s: Session) -> str | None:
-    from mrc_lib.measurements import state_lines
+    from mrc_lib.measurements import states
 
-    if s.tiny or any(not line.startswith("done") for line in state_lines(s.args.runner)):
+    if s.tiny or any(where != "done" for where, _ in states(s.args.runner).values()):
         return None
     return "every measurement was made on a GPU"
 
@@ -253,14 +254,9 @@ def pack_out(s: Session, out: Path) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     try:  # session.tar is written whatever happens here
         if s.args.runner.is_dir():
-            queue.pack(s.args.runner, out / "b1", 1, BUNDLE_MIB * 2**20)
-            listing = json.loads((out / "b1" / "queue.json").read_text(encoding="utf-8"))
-            for unit in listing["units"]:
-                if any(piece["bundle"] != 1 for piece in unit["pieces"]):
-                    for piece in unit["pieces"]:
-                        (out / "b1" / piece["name"]).unlink(missing_ok=True)
-                    notes.append(f"{unit['unit']} stays here: over the {BUNDLE_MIB} MiB "
-                                 "carried on")
+            left = queue.carry_over(s.args.runner, out / "b1", BUNDLE_MIB * 2**20)[1]
+            notes += [f"{unit} stays here: over the {BUNDLE_MIB} MiB carried on"
+                      for unit in left]
     except Exception as e:  # noqa: BLE001 (named in session.json)
         notes.append(f"packing the runner folder failed: {type(e).__name__}: {e}")
     atomic_write_json(s.work / "session.json", {
@@ -320,6 +316,12 @@ def _audit(event: str, event_args: tuple) -> None:
         _READ.add(Path(event_args[0]).resolve())
 
 
+@functools.cache
+def _install_audit() -> None:
+    """Install :func:`_audit`, once per process (an audit hook cannot be removed)."""
+    sys.addaudithook(_audit)
+
+
 def prepare(args) -> Path:
     """Load the selected runs' data here and write the cache folders that loading read from
     to ``--travel``, SQuAD's training texts left out unless a multi-passage run needs them."""
@@ -329,9 +331,7 @@ def prepare(args) -> Path:
     jobs = queue.select(queue.load_queue(args.queue_file), args.only)
     root = cache_root().resolve()
     _READ = set()
-    if _audit not in _HOOKED:
-        sys.addaudithook(_audit)
-        _HOOKED.append(_audit)
+    _install_audit()
     try:
         queue.prepare(jobs)
         folders = {p.parent for p in _READ if p.is_relative_to(root)
@@ -353,9 +353,6 @@ def prepare(args) -> Path:
     print(f"{travel}: {len(files)} files from {len(folders)} folder(s), {mib:.1f} MiB (carry "
           "it; the tree and runs/inbox travel too, 64 MiB in all)")
     return travel
-
-
-_HOOKED: list = []  # an audit hook cannot be removed: install it once per process
 
 
 def import_session(args) -> list[str]:
@@ -385,11 +382,11 @@ def import_session(args) -> list[str]:
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
-        if any(not json.loads(p.read_text(encoding="utf-8"))["complete"]
-               for p in args.runner.rglob("status.json")):
-            queue.pack(args.runner, args.inbox / "1", 1, BUNDLE_MIB * 2**20)
+        kept = queue.carry_over(args.runner, args.inbox / "1", BUNDLE_MIB * 2**20)[0]
+        if kept[1:]:  # a partial run, beside the records that book/runs now holds
             lines.append(f"carry-over {args.inbox / '1'}: commit it")
         else:
+            shutil.rmtree(args.inbox)
             lines.append(f"no partial run: no carry-over ({args.inbox} removed)")
     return lines
 

@@ -126,20 +126,27 @@ def provenance(record: dict) -> str:
             f"{record['profile']}, {record['seconds']:.0f} s")
 
 
-def state_lines(out: Path | None = None) -> list[str]:
+def states(out: Path | None = None) -> dict[str, tuple[str, str | None]]:
     """Where every measurement stands at the full profile, from its record in ``book/runs``
-    (else under ``out/records``): ``done`` with the GPU it ran on, ``cpu only`` when only a
-    CPU measured it (a GPU measures again), else ``missing``."""
-    lines = []
+    (else under ``out/records``), by key: ``("done", device)`` when a GPU measured it,
+    ``("cpu only", device)`` when only a CPU did (a GPU measures again), else
+    ``("missing", None)``."""
+    found_states = {}
     for m in registry().values():
-        spec, state = m.spec("full"), "missing"
+        spec, state = m.spec("full"), ("missing", None)
         for root in (records.BOOK_RUNS, *([out / "records"] if out else [])):
             found = match(records.record_path(m.chapter, m.name, root), spec, "cpu")[0]
-            if found is not None and (state == "missing" or found["device_type"] != "cpu"):
-                where = "cpu only" if found["device_type"] == "cpu" else "done"
-                state = f"{where} ({found['device']})"
-        lines.append(f"{state:9} measurement {m.key}")
-    return lines
+            if found is not None and (state[0] == "missing" or found["device_type"] != "cpu"):
+                state = ("cpu only" if found["device_type"] == "cpu" else "done",
+                         found["device"])
+        found_states[m.key] = state
+    return found_states
+
+
+def state_lines(out: Path | None = None) -> list[str]:
+    """:func:`states`, a line each, for ``python -m mrc_lib queue``."""
+    return [f"{f'{where} ({device})' if device else where:9} measurement {key}"
+            for key, (where, device) in states(out).items()]
 
 
 def measure_cli(args) -> None:

@@ -451,6 +451,23 @@ def pack(out: Path, dest: Path, bundle: int = 1,
     return [dest / "queue.json", *(dest / name for name in written)], n_bundles
 
 
+def carry_over(out: Path, dest: Path, budget: int) -> tuple[list[str], list[str]]:
+    """Bundle 1 of ``out``'s pack (:func:`pack`) in ``dest``, without the pieces of any unit
+    that does not fit it whole: what one command carries from a session to the next, where
+    nothing but bundle 1 travels. Returns the units kept (``records`` first) and those left
+    behind."""
+    pack(out, dest, 1, budget)
+    kept, left = [], []
+    for unit in json.loads((dest / "queue.json").read_text(encoding="utf-8"))["units"]:
+        if all(piece["bundle"] == 1 for piece in unit["pieces"]):
+            kept.append(unit["unit"])
+            continue
+        left.append(unit["unit"])
+        for piece in unit["pieces"]:
+            (dest / piece["name"]).unlink(missing_ok=True)
+    return kept, left
+
+
 def unpack(sources: list[Path], out: Path) -> tuple[list[str], list[str]]:
     """Extract into ``out`` every unit of a pack whose pieces are all in ``sources`` (the
     folders of its bundles, in any order); a partial run's folder is replaced whole. Returns
