@@ -20,13 +20,19 @@ is named in ``session.json``, and the next step still runs.
     python benchmarks/gpu_session.py prepare --only '05_ea_reader/*'   # CPU side: the data
     python benchmarks/gpu_session.py run --out $OUT --only '05_ea_reader/*'   # the command
     python benchmarks/gpu_session.py import FILES_AT                   # CPU side: into the repo
+    python benchmarks/gpu_session.py plan                # CPU side: which runs sessions can train
 
 ``prepare`` loads the selected runs' data here, where spaCy, the raw files and GloVe are,
 notes the cache folders that the loading reads from and writes them to
 ``.devcache/travel.tar.gz``. SQuAD's training texts stay behind (training never reads them)
 unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds that from the
-whole folder. ``run`` unpacks that file into a cache of its own. ``--tiny`` is the
-script's own check (CI): small readers, the smoke profile, seconds per step.
+whole folder. ``run`` unpacks that file into a cache of its own. A command carries 64 MiB:
+the tree (``TREE_MIB``), that file, and the last session's carry-over; what the tree and the
+data leave is the carry-over this session sends on (:func:`carry_mib`), so its ``queue run``
+starts a run that will be cut only while its checkpoint fits (``--carry-mib``). ``plan``
+writes every queue run's checkpoint, data and fate under those limits to
+``benchmarks/results/session_plan.json``. ``--tiny`` is the script's own check (CI): small
+readers, the smoke profile, seconds per step.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -58,7 +65,8 @@ TRAVEL = ROOT / ".devcache" / "travel.tar.gz"
 RUNNER = ROOT / "runs" / "queue"
 INBOX = ROOT / "runs" / "inbox"
 WORK = ROOT / "runs" / "session"
-BUNDLE_MIB = 26  # bundle 1 is the next session's carry-over, beside the tree and the data
+TRAVEL_MIB = 64  # what a command may carry: the tree, the data and the carry-over
+TREE_MIB = 7.0  # the tree's share of it (6.3 MiB on 2026-11-26; prepare checks it)
 PACK_SECONDS = 30  # kept for packing at the end
 RUNNER_EXIT = 15  # for `queue run` to print its table and exit
 COMPILE_MODELS = "qanet,dynsan"  # launch-bound at the first bring-up (how_to_reproduce.md)
@@ -74,6 +82,7 @@ class Session:
     work: Path
     results: Path  # where this device's earlier results are read
     deadline: float
+    carry: float = queue.CARRY_MIB  # the MiB of runner folder that go on to the next session
     env: dict = field(default_factory=dict)
     log: list = field(default_factory=list)
 
@@ -189,6 +198,7 @@ def train_argv(s: Session, budget: float) -> list[str]:
     minutes = (budget - RUNNER_EXIT) / 60  # its trainers stop a --reserve before that
     return [PY, "-m", "mrc_lib", "queue", "run", "--minutes", f"{minutes:.2f}",
             "--out", str(s.args.runner), "--parallel", str(parallel(s)),
+            "--carry-mib", f"{s.carry:g}",
             "--file", str(s.args.queue_file), "--profile", s.args.profile,
             *(f"--only={p}" for p in s.args.only or []), *(f"--set={v}" for v in s.args.set)]
 
@@ -254,14 +264,14 @@ def pack_out(s: Session, out: Path) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     try:  # session.tar is written whatever happens here
         if s.args.runner.is_dir():
-            left = queue.carry_over(s.args.runner, out / "b1", BUNDLE_MIB * 2**20)[1]
-            notes += [f"{unit} stays here: over the {BUNDLE_MIB} MiB carried on"
+            left = queue.carry_over(s.args.runner, out / "b1", int(s.carry * 2**20))[1]
+            notes += [f"{unit} stays here: over the {s.carry:g} MiB carried on"
                       for unit in left]
     except Exception as e:  # noqa: BLE001 (named in session.json)
         notes.append(f"packing the runner folder failed: {type(e).__name__}: {e}")
     atomic_write_json(s.work / "session.json", {
         "device": s.device, "started": s.args.started, "minutes": s.args.minutes,
-        "only": s.args.only, "steps": s.log, "notes": notes})
+        "only": s.args.only, "carry_mib": s.carry, "steps": s.log, "notes": notes})
     with tarfile.open(out / "session.tar", "w") as tar:
         for name in ("session.json", "results", "logs"):
             if (s.work / name).exists():
@@ -282,6 +292,7 @@ def session(args) -> dict:
                 Path(args.results), time.time() + 60 * args.minutes)
     try:  # without its data or carry-over a run fails or starts over; the benchmarks still run
         if args.travel and Path(args.travel).is_file():
+            s.carry = carry_mib(Path(args.travel).stat().st_size / 2**20)
             s.env["MRC_CACHE_DIR"] = str(work / "cache")
             s.log.append({"step": "data",
                           "state": unpack_travel(Path(args.travel), work / "cache")})
@@ -322,37 +333,124 @@ def _install_audit() -> None:
     sys.addaudithook(_audit)
 
 
-def prepare(args) -> Path:
-    """Load the selected runs' data here and write the cache folders that loading read from
-    to ``--travel``, SQuAD's training texts left out unless a multi-passage run needs them."""
+def travel_folders(jobs: list[queue.Job], log=print) -> set[Path]:
+    """The cache folders (those holding a ``meta.json``) that loading ``jobs``' data reads,
+    building what the cache lacks."""
     global _READ
     from mrc_lib.data.sources import cache_root
 
-    jobs = queue.select(queue.load_queue(args.queue_file), args.only)
     root = cache_root().resolve()
     _READ = set()
     _install_audit()
     try:
-        queue.prepare(jobs)
-        folders = {p.parent for p in _READ if p.is_relative_to(root)
-                   and (p.parent / "meta.json").is_file()}
+        queue.prepare(jobs, log=log)
+        return {p.parent for p in _READ if p.is_relative_to(root)
+                and (p.parent / "meta.json").is_file()}
     finally:
         _READ = None
+
+
+def write_travel(jobs: list[queue.Job], travel: Path, log=print) -> float:
+    """Write the cache folders of ``jobs``' data to ``travel``, SQuAD's training texts left
+    out unless a multi-passage run needs them; return its MiB."""
+    from mrc_lib.data.sources import cache_root
+
+    root = cache_root().resolve()
+    folders = travel_folders(jobs, log)
     # The training texts are read by the multi-passage build alone; dev's, by evaluation.
     texts = any("passages" in job.config().data_options for job in jobs)
     files = sorted(p for folder in folders for p in folder.iterdir()
                    if p.is_file() and (texts or p.name != "train.json.gz"))
-    travel = Path(args.travel)
     travel.parent.mkdir(parents=True, exist_ok=True)
     part = travel.with_name(travel.name + ".part")
     with tarfile.open(part, "w:gz") as tar:
         for path in files:
             tar.add(path, arcname=str(path.relative_to(root)))
     part.replace(travel)
-    mib = travel.stat().st_size / 2**20
-    print(f"{travel}: {len(files)} files from {len(folders)} folder(s), {mib:.1f} MiB (carry "
-          "it; the tree and runs/inbox travel too, 64 MiB in all)")
+    return travel.stat().st_size / 2**20
+
+
+def carry_mib(travel_mib: float) -> float:
+    """The MiB of runner folder that a session whose data file weighs ``travel_mib`` sends on
+    to the next (bundle 1): what a command carries, less the tree's share and the data."""
+    return math.floor(10 * (TRAVEL_MIB - TREE_MIB - travel_mib)) / 10
+
+
+def prepare(args) -> Path:
+    """``prepare``: load the selected runs' data here and write the cache folders that loading
+    read from to ``--travel``; check that it fits a command beside the tree and a carry-over,
+    and name the selected runs that sessions never start."""
+    jobs = queue.select(queue.load_queue(args.queue_file), args.only)
+    travel = Path(args.travel)
+    mib = write_travel(jobs, travel)
+    tree = tree_mib(args.inbox)
+    carry = carry_mib(mib)
+    print(f"{travel}: {mib:.1f} MiB (carry it); the tree {tree:.1f} MiB without "
+          f"{args.inbox.name} (at most {TREE_MIB:g}); the carry-over at most {carry:g} MiB; "
+          f"{TRAVEL_MIB} MiB in all")
+    if tree > TREE_MIB:
+        raise UserError(f"the tree is {tree:.1f} MiB, over the {TREE_MIB:g} MiB kept for it "
+                        f"in {Path(__file__).name} (TREE_MIB): make it smaller, or raise "
+                        "TREE_MIB and carry less on")
+    if carry < 1:
+        raise UserError(f"{travel}: {mib:.1f} MiB of data leaves no carry-over: select runs "
+                        "of fewer datasets with --only")
+    for job, size in queue.stranded(jobs, carry, args.profile):
+        print(f"never started: {job.key} (~{job.entry.minutes:g} min, longer than a command; "
+              f"its {size / 2**20:.1f} MiB checkpoint does not fit the carry-over)")
     return travel
+
+
+def tree_mib(inbox: Path) -> float:
+    """The MiB of the working tree that a command carries (tracked files, and untracked ones
+    git does not ignore), without ``inbox``, which the session replaces."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True, check=True)
+    paths = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+    return sum(p.stat().st_size for p in paths
+               if p.is_file() and not p.resolve().is_relative_to(inbox.resolve())) / 2**20
+
+
+def plan(args) -> dict:
+    """``plan``: every queue run's checkpoint, the data it travels with and its fate in
+    sessions of one command (:data:`FATES`), to ``--plan``."""
+    jobs = queue.load_queue(args.queue_file)
+    groups: dict[str, list[queue.Job]] = {}
+    for job in jobs:
+        groups.setdefault(queue.data_key(job.config(args.profile)), []).append(job)
+    runs, chapters = {}, {}
+    scratch = Path(args.work) / "plan.tar.gz"
+    for group in groups.values():
+        mib = write_travel(group, scratch, log=lambda line: None)
+        carry = carry_mib(mib)
+        for job in group:
+            size = queue.checkpoint_size(job, args.profile)
+            fate = "command" if job.entry.minutes <= queue.COMMAND_MINUTES else \
+                "carried" if queue.carried_on(size, carry) else "stranded"
+            runs[job.key] = {"priority": job.priority, "minutes": job.entry.minutes,
+                             "checkpoint_mib": round(size / 2**20, 1),
+                             "travel_mib": round(mib, 1), "carry_mib": carry, "fate": fate}
+            total = chapters.setdefault(job.entry.chapter, {"runs": 0, "minutes": 0.0})
+            for key in ("runs", fate):
+                total[key] = total.get(key, 0) + 1
+            for key in ("minutes", f"{fate}_minutes"):
+                total[key] = total.get(key, 0.0) + job.entry.minutes
+            print(f"{job.key}: ~{job.entry.minutes:g} min, {size / 2**20:.1f} MiB, data "
+                  f"{mib:.1f} MiB, carry-over {carry:g} MiB: {fate}", flush=True)
+    scratch.unlink(missing_ok=True)
+    result = {"what": FATES, "command_minutes": queue.COMMAND_MINUTES,
+              "travel_mib": TRAVEL_MIB, "tree_mib": TREE_MIB, "profile": args.profile,
+              "runs": {key: runs[key] for key in sorted(runs)}, "chapters": chapters}
+    atomic_write_json(args.plan, result)
+    print(args.plan)
+    return result
+
+
+FATES = ("each queue run's estimated H100 minutes; its checkpoint's MiB; the MiB of its data "
+         "file alone (prepare); the carry-over that leaves beside the tree; and its fate in "
+         "sessions of one command: command (it ends within one), carried (it is longer and "
+         "its checkpoint fits the carry-over: it resumes from session to session) or stranded "
+         "(neither: a session never starts it)")
 
 
 def import_session(args) -> list[str]:
@@ -382,7 +480,8 @@ def import_session(args) -> list[str]:
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
-        kept = queue.carry_over(args.runner, args.inbox / "1", BUNDLE_MIB * 2**20)[0]
+        carry = summary.get("carry_mib", queue.CARRY_MIB)
+        kept = queue.carry_over(args.runner, args.inbox / "1", int(carry * 2**20))[0]
         if kept[1:]:  # a partial run, beside the records that book/runs now holds
             lines.append(f"carry-over {args.inbox / '1'}: commit it")
         else:
@@ -393,7 +492,7 @@ def import_session(args) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("action", choices=["prepare", "run", "import"])
+    p.add_argument("action", choices=["prepare", "run", "import", "plan"])
     p.add_argument("source", nargs="?", help="import: the folder the device tool's files lie in")
     p.add_argument("--only", action="append", metavar="GLOB",
                    help="the queue runs to prepare and train (repeatable)")
@@ -416,10 +515,13 @@ def main(argv=None):
     p.add_argument("--runner", type=Path, default=RUNNER, help=argparse.SUPPRESS)
     p.add_argument("--inbox", type=Path, default=INBOX, help=argparse.SUPPRESS)
     p.add_argument("--work", default=str(WORK), help=argparse.SUPPRESS)
+    p.add_argument("--plan", default=str(queue.PLAN), help="plan: where it goes")
     args = p.parse_args(argv)
     try:
         if args.action == "prepare":
             return prepare(args)
+        if args.action == "plan":
+            return plan(args)
         if args.action == "run":
             if not args.out:
                 p.error("run needs --out (the device tool's $OUT)")

@@ -4,7 +4,7 @@
                                                              # (and the measurements)
     python -m mrc_lib queue prepare                          # the data, into the cache
     python -m mrc_lib queue run --minutes M --out DIR [--parallel N] [--only GLOB] [--inbox DEST]
-                                [--set compile=true]
+                                [--set compile=true] [--carry-mib C]
     python -m mrc_lib queue pack --out DIR --to DEST [--bundle K]   # DIR -> bundle K
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
@@ -18,7 +18,9 @@ The file lists, per chapter, every run the full book needs (its header documents
 within a priority) as ``N`` concurrent worker processes on one device, starting the next as one
 ends, until ``M`` minutes minus ``--reserve`` seconds; each worker's trainer checkpoints and stops
 cleanly at that deadline (checked between steps), and the same command on the same ``DIR``
-resumes it exactly. ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
+resumes it exactly (``--carry-mib``: where ``DIR`` reaches the next command only as a
+carry-over of at most ``C`` MiB, a run that will be cut starts only if its checkpoint fits it,
+see :func:`startable`). ``DIR`` holds ``<chapter>/<run>/`` (the run folder: checkpoint parts,
 log, ``status.json``) and ``records/<chapter>/<run>.json``, the record of each run as it last
 stopped (``complete`` says whether it finished: a partial record keeps the dev scores of the
 epochs a GPU ran even when the checkpoint cannot travel on). Every entry's
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import io
 import json
@@ -58,10 +61,15 @@ from mrc_lib.utils import (
 
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
 PACKING_RESULTS = records.ROOT / "benchmarks" / "results"  # benchmarks/gpu_packing.py's output
+PLAN = PACKING_RESULTS / "session_plan.json"  # benchmarks/gpu_session.py plan's output
 EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
 COMMAND_MINUTES = 9.0  # the most one GPU command trains (10 minutes, less start and pack)
+# What one command's runner folder may carry on to the next GPU session's (bundle 1) where its
+# data is not carried: a session with a data file takes 64 MiB less the tree and the data
+# (benchmarks/gpu_session.py carry_mib: 29 to 30 MiB beside one prepared dataset).
+CARRY_MIB = 29
 LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
 
 
@@ -234,17 +242,28 @@ def state_of(job: Job, out: Path | None, profile: str = "full") -> tuple[str, fl
                           0.99)
 
 
-def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full") -> str:
-    """One line per job, then the GPU-minutes done and left."""
-    lines = [f"{'state':9} {'prio':>4} {'min':>5}  run"]
+def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full",
+                 plan: Path = PLAN) -> str:
+    """One line per job, with its fate in GPU sessions of one command where ``plan``
+    (``benchmarks/gpu_session.py plan``) has it, then the GPU-minutes done and left."""
+    fates = {}
+    if plan.is_file():
+        fates = {k: v["fate"] for k, v in json.loads(plan.read_text())["runs"].items()}
+    lines = [f"{'state':9} {'prio':>4} {'min':>5}  {'fate':8}  run"]
     done = left = 0.0
     for job in sorted(jobs, key=lambda j: (j.entry.chapter, j.priority)):
         state, fraction = state_of(job, out, profile)
         done += job.entry.minutes * fraction
         left += job.entry.minutes * (1 - fraction)
-        lines.append(f"{state:9} {job.priority:>4} {job.entry.minutes:>5.0f}  {job.key}")
+        lines.append(f"{state:9} {job.priority:>4} {job.entry.minutes:>5.0f}  "
+                     f"{fates.get(job.key, '-'):8}  {job.key}")
     counts = {s: sum(line.startswith(s) for line in lines[1:])
               for s in ("done", "partial", "missing")}
+    stranded = [j for j in jobs if fates.get(j.key) == "stranded"]
+    if stranded:
+        lines.append(f"{len(stranded)} stranded ({sum(j.entry.minutes for j in stranded):.0f}"
+                     " min): longer than a GPU command, with checkpoints over the carry-over "
+                     f"({plan.name}); they need a GPU that keeps the runner folder")
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) +
                  f"; GPU-minutes (H100, estimated) done {done:.0f}, left {left:.0f}")
     return "\n".join(lines)
@@ -289,20 +308,23 @@ def progress(steps: int, epochs_run: int, cfg) -> float:
 
 def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
               reserve: float = 60.0, profile: str = "full", queue_file: Path = QUEUE_FILE,
-              settings: tuple[str, ...] = (), log=print) -> dict[str, int]:
+              settings: tuple[str, ...] = (), carry_mib: float | None = None,
+              log=print) -> dict[str, int]:
     """Run the pending jobs as ``parallel`` worker processes until ``minutes`` minus
     ``reserve`` seconds from now (the trainers' deadline), each with ``settings``, starting
-    only what :func:`startable` allows; return each started job's exit status (0: complete or
-    cleanly stopped)."""
+    only what :func:`startable` allows (with a :class:`Carry` of ``carry_mib`` when ``out``
+    reaches the next command only as its carry-over); return each started job's exit status
+    (0: complete or cleanly stopped)."""
     deadline = time.time() + 60 * minutes - reserve
     todo = pending(jobs, out, profile)
+    carry = None if carry_mib is None else Carry(out, int(carry_mib * 2**20), profile)
     running: dict[str, tuple[subprocess.Popen, object]] = {}
     codes: dict[str, int] = {}
     out.mkdir(parents=True, exist_ok=True)
     while todo or running:
         while len(running) < parallel and time.time() < deadline:
             left = (deadline - time.time()) / 60
-            job = next((j for j in todo if startable(j, out, left)), None)
+            job = next((j for j in todo if startable(j, out, left, carry)), None)
             if job is None:
                 break
             todo.remove(job)
@@ -325,20 +347,103 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
                 del running[key]
                 log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
                     f"(exit {proc.returncode}; log {out / key / 'worker.log'})")
+                job = find_job(jobs, key)
+                if carry is not None and state_of(job, out, profile)[0] == "done":
+                    carry.release(job)
     for job in todo:
-        log(f"not started {job.key}: ~{job.entry.minutes:g} min, too long for what was left")
+        why = "too long for what was left"
+        if carry is not None and job.key in carry.refused:
+            why += (f", and its {carry.refused[job.key] / 2**20:.1f} MiB checkpoint would not "
+                    f"fit the {carry_mib:g} MiB carried on")
+        log(f"not started {job.key}: ~{job.entry.minutes:g} min, {why}")
     return codes
 
 
-def startable(job: Job, out: Path, left: float) -> bool:
-    """Whether to start ``job`` with ``left`` minutes before the trainers' deadline. A run
-    that resumes (its folder holds a checkpoint) starts, and so does one whose estimate is
-    longer than a GPU command (:data:`COMMAND_MINUTES`: it goes on from its checkpoint in the
-    next); a shorter one starts only if its estimate fits what is left. Cut, it would take its
-    steps again in a later command unless its checkpoint travelled, and a shorter run may fit
-    instead."""
-    return (progress_of(job, out) is not None or job.entry.minutes > COMMAND_MINUTES
-            or job.entry.minutes <= left)
+def startable(job: Job, out: Path, left: float, carry: Carry | None = None) -> bool:
+    """Whether to start ``job`` with ``left`` minutes before the trainers' deadline.
+
+    Without ``carry`` (the runner folder stays where it is): a run that resumes (its folder
+    holds a checkpoint) starts, and so does one whose estimate is longer than a GPU command
+    (:data:`COMMAND_MINUTES`: it goes on from its checkpoint in the next); a shorter one starts
+    only if its estimate fits what is left. Cut, it would take its steps again in a later
+    command unless its checkpoint travelled, and a shorter run may fit instead.
+
+    With ``carry`` (the folder reaches the next command only as its carry-over, on a machine
+    that starts bare): a run whose estimate, less what it has done, fits what is left starts;
+    one that will be cut starts only if its checkpoint still fits the carry-over
+    (:meth:`Carry.take`). Cut with a checkpoint left behind, its minutes would be lost."""
+    status = progress_of(job, out)
+    if carry is None:
+        return status is not None or job.entry.minutes > COMMAND_MINUTES or \
+            job.entry.minutes <= left
+    done = status["fraction"] if status is not None else 0.0
+    return job.entry.minutes * (1 - done) <= left or carry.take(job)
+
+
+class Carry:
+    """What the runner folder's carry-over (:func:`carry_over`, at most ``budget`` bytes)
+    holds when a command ends: its records, the partial runs it found, and each run the command
+    starts that will be cut, each with ``slack`` for what the command adds beside checkpoints
+    (records, logs, tar headers)."""
+
+    SLACK = 2**18
+
+    def __init__(self, out: Path, budget: int, profile: str = "full",
+                 slack: int = SLACK) -> None:
+        self.budget, self.profile, self.slack = budget, profile, slack
+        units = _units(out) if out.is_dir() else [("records", [])]
+        self.held = {name: sum(p.stat().st_size for p in files) + slack
+                     for name, files in units}
+        self.refused: dict[str, int] = {}  # the runs take() turned down, with their sizes
+
+    @property
+    def used(self) -> int:
+        return sum(self.held.values())
+
+    def take(self, job: Job) -> bool:
+        """Whether ``job``, cut, would be carried on: it is already held, or its checkpoint
+        (:func:`checkpoint_size`) fits what is left, and is then held."""
+        if job.key in self.held:
+            return True
+        size = checkpoint_size(job, self.profile)
+        if self.used + size + self.slack > self.budget:
+            self.refused[job.key] = size
+            return False
+        self.held[job.key] = size + self.slack
+        return True
+
+    def release(self, job: Job) -> None:
+        """``job`` finished: its run folder stays behind, its record is carried."""
+        self.held.pop(job.key, None)
+
+
+def stranded(jobs: list[Job], carry_mib: float, profile: str = "full") -> list[tuple[Job, int]]:
+    """The jobs, with their checkpoint sizes, that commands whose runner folder moves on as a
+    carry-over of at most ``carry_mib`` MiB never finish: longer than one command
+    (:data:`COMMAND_MINUTES`), with a checkpoint that does not fit the carry-over beside the
+    records (:class:`Carry`), so :func:`startable` never starts them."""
+    sizes = [(job, checkpoint_size(job, profile)) for job in jobs
+             if job.entry.minutes > COMMAND_MINUTES]
+    return [(job, size) for job, size in sizes if not carried_on(size, carry_mib)]
+
+
+def carried_on(size: int, carry_mib: float) -> bool:
+    """Whether a run's checkpoint of ``size`` bytes fits a carry-over of ``carry_mib`` MiB
+    beside the records (with :class:`Carry`'s slack for each)."""
+    return size + 2 * Carry.SLACK <= carry_mib * 2**20
+
+
+@functools.cache
+def checkpoint_size(job: Job, profile: str = "full") -> int:
+    """The bytes of ``job``'s checkpoint (:func:`mrc_lib.train.checkpoint_bytes`), its reader
+    built on its data's vocabulary (a multi-passage run's is its source's, the prepared SQuAD,
+    which loads without building the passages)."""
+    from mrc_lib.models import build_model
+    from mrc_lib.train import checkpoint_bytes, load_data
+
+    cfg = job.config(profile)
+    source = dataclasses.replace(cfg, data_options={}) if "passages" in cfg.data_options else cfg
+    return checkpoint_bytes(cfg, build_model(cfg.model, load_data(source).vocab, **cfg.hparams))
 
 
 def measured_parallel(results: Path = PACKING_RESULTS) -> int:
@@ -663,7 +768,7 @@ def queue_cli(args) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
                                                          // args.parallel)))
         codes = run_queue(jobs, out, args.minutes, args.parallel, args.reserve, args.profile,
-                          Path(args.file), settings)
+                          Path(args.file), settings, args.carry_mib)
         print(status_table(jobs, out, args.profile))
         if any(codes.values()):
             raise UserError(f"{sum(c != 0 for c in codes.values())} worker(s) failed: "
@@ -688,6 +793,10 @@ def add_parser(sub) -> None:
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="run: how every run is computed, e.g. compile=true (only keys outside "
                    "the config hash)")
+    s.add_argument("--carry-mib", type=float, default=None,
+                   help="run: --out reaches the next command only as its carry-over (bundle "
+                   "1, at most this many MiB): a run that will be cut starts only if its "
+                   "checkpoint still fits it")
     s.add_argument("--reserve", type=float, default=60.0,
                    help="seconds before the end at which trainers checkpoint and stop")
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)

@@ -326,6 +326,17 @@ def rebuilt_from_data(model: nn.Module) -> set[str]:
             if isinstance(module, WordEmbedding)}
 
 
+def checkpoint_bytes(cfg: TrainConfig, model: nn.Module) -> int:
+    """The size of the trainer's checkpoint of ``model`` under ``cfg``, before any step: its
+    state less what the data rebuilds, the optimizer's two tensors per trainable parameter
+    (Adam's moments, Adadelta's running averages) and the weight average's copy; the
+    schedule, random-number states and progress add a few kilobytes."""
+    skip = rebuilt_from_data(model)
+    state = sum(v.nbytes for k, v in model.state_dict().items() if k not in skip)
+    trainable = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    return state + trainable * (2 + (cfg.ema_decay is not None))
+
+
 @dataclass
 class Progress:
     """Where a run stands; saved in every checkpoint."""

@@ -30,6 +30,10 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     assert {n.rsplit("/", 1)[1] for n in names} >= {"meta.json", "vectors.npy", "train.npz",
                                                      "dev.npz", "dev.json.gz"}
     assert not any(n.endswith("train.json.gz") for n in names)  # training never reads it
+    said = capsys.readouterr().out
+    mib = travel.stat().st_size / 2**20
+    assert f"the carry-over at most {gs.carry_mib(mib):g} MiB; 64 MiB in all" in said
+    assert "never started" not in said  # one minute: it ends within a command
 
     # The GPU machine has no raw data: the run reads only what was carried.
     monkeypatch.delenv("MRC_DATA_DIR")
@@ -46,6 +50,8 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     back = [p for p in paths["out"].rglob("*") if p.is_file()]
     assert len(back) <= 8 and (paths["out"] / "session.tar").is_file()
     assert (paths["out"] / "b1" / "queue.json").is_file()
+    with tarfile.open(paths["out"] / "session.tar") as tar:  # what import carries on
+        assert json.load(tar.extractfile("session.json"))["carry_mib"] == gs.carry_mib(mib)
 
     book = tmp_path / "book" / "runs"
     monkeypatch.setattr(records, "BOOK_RUNS", book)
@@ -135,21 +141,21 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
 
 def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(gs.queue, "PIECE_BYTES", 20_000)
-    monkeypatch.setattr(gs, "BUNDLE_MIB", 40_000 / 2**20)
     runner = tmp_path / "runner"
     for name, size in (("small", 10_000), ("large", 60_000)):
         (runner / "ch" / name).mkdir(parents=True)
         (runner / "ch" / name / "status.json").write_text(json.dumps({"complete": False}))
         (runner / "ch" / name / "checkpoint.pt").write_bytes(bytes(size))
     s = session(tmp_path / "w", runner=runner)
+    s.carry = 40_000 / 2**20
     assert gs.pack_out(s, tmp_path / "out") == ["ch/large stays here: over the "
-                                                 f"{gs.BUNDLE_MIB} MiB carried on"]
+                                                 f"{s.carry:g} MiB carried on"]
     back = tmp_path / "back"
     assert gs.queue.unpack([tmp_path / "out" / "b1"], back)[1] == ["ch/large"]
     assert (back / "ch" / "small" / "checkpoint.pt").stat().st_size == 10_000
     with tarfile.open(tmp_path / "out" / "session.tar") as tar:
         assert json.load(tar.extractfile("session.json"))["notes"] == [
-            f"ch/large stays here: over the {gs.BUNDLE_MIB} MiB carried on"]
+            f"ch/large stays here: over the {s.carry:g} MiB carried on"]
 
 
 def test_session_tar_comes_back_when_packing_the_runner_fails(tmp_path):
@@ -160,3 +166,35 @@ def test_session_tar_comes_back_when_packing_the_runner_fails(tmp_path):
     notes = gs.pack_out(s, tmp_path / "out")
     assert len(notes) == 1 and notes[0].startswith("packing the runner folder failed: ")
     assert (tmp_path / "out" / "session.tar").is_file()
+
+
+def test_plan_gives_each_queue_run_its_checkpoint_data_and_fate(mirror, tmp_path, capsys):
+    """``plan`` on a tiny queue: a run within a command, one that resumes from session to
+    session, one whose checkpoint outgrows the carry-over; and the committed plan of the
+    book's queue, one entry per run, which ``queue`` shows."""
+    q = write_queue(tmp_path, {"tq": [
+        {"run": run, "model": "bidaf", "priority": 1, "minutes": minutes, "schedule": "tiny",
+         "overrides": TINY + hidden} for run, minutes, hidden in (
+            ("short", 4, []), ("long", 20, []), ("wide", 20, ["hparams.hidden=256"]))]})
+    out = tmp_path / "plan.json"
+    result = gs.main(["plan", "--queue-file", q, "--plan", str(out),
+                      f"--work={tmp_path / 'work'}"])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    runs = result["runs"]
+    assert {k: v["fate"] for k, v in runs.items()} == {"tq/short": "command",
+                                                      "tq/long": "carried",
+                                                      "tq/wide": "stranded"}
+    carry = runs["tq/long"]["carry_mib"]
+    assert 1 < carry <= gs.carry_mib(runs["tq/long"]["travel_mib"])  # 64 MiB less the rest
+    assert runs["tq/long"]["checkpoint_mib"] < carry < runs["tq/wide"]["checkpoint_mib"]
+    assert result["chapters"]["tq"] == {"runs": 3, "minutes": 44, "command": 1,
+                                        "command_minutes": 4, "carried": 1,
+                                        "carried_minutes": 20, "stranded": 1,
+                                        "stranded_minutes": 20}
+    table = gs.queue.status_table(gs.queue.load_queue(q), None, "full", plan=out)
+    assert "stranded  tq/wide" in table and table.splitlines()[-2].startswith("1 stranded (20")
+
+    committed = json.loads(gs.queue.PLAN.read_text())
+    assert set(committed["runs"]) == {j.key for j in gs.queue.load_queue()}
+    assert committed["command_minutes"] == gs.queue.COMMAND_MINUTES
+    assert (committed["travel_mib"], committed["tree_mib"]) == (gs.TRAVEL_MIB, gs.TREE_MIB)

@@ -85,6 +85,10 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     assert partial["complete"] is False and partial["steps"] == 1
     assert queue.record_of(seed0, gpu, "smoke") is None
     assert queue.record_of(seed0, gpu, "smoke", complete=False)["steps"] == 1
+    # The carry-over's estimate of its checkpoint, made before any step, is its size, less
+    # the few kilobytes of schedule, random-number states and serialization.
+    written = sum(p.stat().st_size for p in (gpu / "tq" / "bidaf_seed0").glob("checkpoint.pt*"))
+    assert 0 < written - queue.checkpoint_size(seed0, "smoke") < queue.Carry.SLACK
     assert records.lookup(gpu / "records" / "tq" / "bidaf_seed0.json", partial["config"],
                           partial["data_digests"]) is None  # a notebook trains instead
     book = tmp_path / "book" / "runs"
@@ -381,3 +385,44 @@ def test_a_run_that_cannot_finish_in_what_is_left_is_not_started(tmp_path, tiny_
     assert queue.run_queue([short], tmp_path / "empty", minutes=5, reserve=120,
                            queue_file=q, log=lines.append) == {}
     assert lines == ["not started tq/short: ~4 min, too long for what was left"]
+
+
+def test_with_a_carry_over_a_run_that_will_be_cut_starts_only_if_its_checkpoint_fits(
+        tmp_path, monkeypatch):
+    q = write_queue(tmp_path, {"tq": [
+        {"run": run, "model": "bidaf", "priority": 1, "minutes": minutes, "schedule": "tiny",
+         "overrides": TINY} for run, minutes in (("short", 4), ("long", 20), ("long2", 20))]})
+    short, long, long2 = queue.load_queue(q)
+    mib = 2**20
+    monkeypatch.setattr(queue, "checkpoint_size", lambda job, profile="full": 10 * mib)
+    out = tmp_path / "q"
+    carry = queue.Carry(out, 15 * mib)
+    assert carry.used == queue.Carry.SLACK  # the records to come
+    assert queue.startable(short, out, left=4, carry=carry)  # it finishes: nothing to carry
+    assert queue.startable(long, out, left=4, carry=carry)  # cut, it fits the carry-over
+    assert carry.held["tq/long"] == 10 * mib + queue.Carry.SLACK
+    assert queue.startable(long, out, left=4, carry=carry)  # held already
+    assert not queue.startable(long2, out, left=4, carry=carry)  # cut, it would not fit too
+    assert not queue.startable(short, out, left=3, carry=carry)
+    assert carry.refused == {"tq/long2": 10 * mib, "tq/short": 10 * mib}
+    carry.release(long)
+    assert queue.startable(long2, out, left=4, carry=carry)
+    # Longer than a command, with a checkpoint over the carry-over: never started.
+    assert queue.stranded([short, long], 10.4) == [(long, 10 * mib)]
+    assert queue.stranded([short, long], 10.6) == []
+    # A partial run in the folder is carried on whatever the command starts, and what it has
+    # done counts: 20 min at 90% leaves 2.
+    (out / "tq" / "long").mkdir(parents=True)
+    (out / "tq" / "long" / "status.json").write_text(json.dumps({"complete": False,
+                                                                  "fraction": 0.9}))
+    (out / "tq" / "long" / "checkpoint.pt.000").write_bytes(bytes(6 * mib))
+    carry = queue.Carry(out, 15 * mib)
+    assert carry.held["tq/long"] > 6 * mib
+    assert queue.startable(long, out, left=2, carry=carry)
+    assert not queue.startable(long2, out, left=4, carry=carry)
+    lines = []
+    assert queue.run_queue([long2], tmp_path / "empty", minutes=5, reserve=120, queue_file=q,
+                           carry_mib=5, log=lines.append) == {}
+    assert lines == ["not started tq/long2: ~20 min, too long for what was left, and its "
+                     "10.0 MiB checkpoint would not fit the 5 MiB carried on"]
+
