@@ -23,10 +23,10 @@ is named in ``session.json``, and the next step still runs.
     python benchmarks/gpu_session.py plan                # CPU side: which runs sessions can train
 
 ``prepare`` loads the selected runs' data here, where spaCy, the raw files and GloVe are,
-notes the cache folders that the loading reads from and writes them to
-``.devcache/travel.tar.gz``. SQuAD's training texts stay behind (training never reads them)
-unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds that from the
-whole folder. ``run`` unpacks that file into a cache of its own. A command carries 64 MiB:
+notes the cache files that the loading reads, and writes them, with the texts that evaluation
+reads, to ``.devcache/travel.tar.gz``. SQuAD's training texts stay behind (training never
+reads them) unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds
+that from them. ``run`` unpacks that file into a cache of its own. A command carries 64 MiB:
 the tree (``TREE_MIB``), that file, and the last session's carry-over; what the tree and the
 data leave is the carry-over this session sends on (:func:`carry_mib`), so its ``queue run``
 starts a run that will be cut only while its checkpoint fits (``--carry-mib``). ``plan``
@@ -333,9 +333,9 @@ def _install_audit() -> None:
     sys.addaudithook(_audit)
 
 
-def travel_folders(jobs: list[queue.Job], log=print) -> set[Path]:
-    """The cache folders (those holding a ``meta.json``) that loading ``jobs``' data reads,
-    building what the cache lacks."""
+def travel_files(jobs: list[queue.Job], log=print) -> set[Path]:
+    """The cache files that loading ``jobs``' data reads (building what the cache lacks), in
+    folders that hold a ``meta.json``, with those ``meta.json``."""
     global _READ
     from mrc_lib.data.sources import cache_root
 
@@ -344,27 +344,30 @@ def travel_folders(jobs: list[queue.Job], log=print) -> set[Path]:
     _install_audit()
     try:
         queue.prepare(jobs, log=log)
-        return {p.parent for p in _READ if p.is_relative_to(root)
+        read = {p for p in _READ if p.is_relative_to(root) and p.is_file()
                 and (p.parent / "meta.json").is_file()}
     finally:
         _READ = None
+    return read | {p.parent / "meta.json" for p in read}
 
 
 def write_travel(jobs: list[queue.Job], travel: Path, log=print) -> float:
-    """Write the cache folders of ``jobs``' data to ``travel``, SQuAD's training texts left
-    out unless a multi-passage run needs them; return its MiB."""
+    """Write the cache files that ``jobs``' data reads to ``travel``, with the texts of each
+    split read (``X.json.gz`` beside ``X.npz``), which evaluation reads; SQuAD's training
+    texts only where a multi-passage run builds its data from them. Return its MiB."""
     from mrc_lib.data.sources import cache_root
 
     root = cache_root().resolve()
-    folders = travel_folders(jobs, log)
-    # The training texts are read by the multi-passage build alone; dev's, by evaluation.
+    files = travel_files(jobs, log)
     texts = any("passages" in job.config().data_options for job in jobs)
-    files = sorted(p for folder in folders for p in folder.iterdir()
-                   if p.is_file() and (texts or p.name != "train.json.gz"))
+    for path in list(files):
+        text = path.with_name(path.name.removesuffix(".npz") + ".json.gz")
+        if path.suffix == ".npz" and text.is_file() and (texts or text.name != "train.json.gz"):
+            files.add(text)
     travel.parent.mkdir(parents=True, exist_ok=True)
     part = travel.with_name(travel.name + ".part")
     with tarfile.open(part, "w:gz") as tar:
-        for path in files:
+        for path in sorted(files):
             tar.add(path, arcname=str(path.relative_to(root)))
     part.replace(travel)
     return travel.stat().st_size / 2**20
@@ -377,9 +380,9 @@ def carry_mib(travel_mib: float) -> float:
 
 
 def prepare(args) -> Path:
-    """``prepare``: load the selected runs' data here and write the cache folders that loading
-    read from to ``--travel``; check that it fits a command beside the tree and a carry-over,
-    and name the selected runs that sessions never start."""
+    """``prepare``: load the selected runs' data here and write the cache files that loading
+    reads to ``--travel`` (:func:`write_travel`); check that it fits a command beside the tree
+    and a carry-over, and name the selected runs that sessions never start."""
     jobs = queue.select(queue.load_queue(args.queue_file), args.only)
     travel = Path(args.travel)
     mib = write_travel(jobs, travel)

@@ -65,6 +65,23 @@ def mirror(tmp_path, monkeypatch):
     return root
 
 
+@pytest.fixture
+def squad2_mirror(mirror):
+    """The tiny v1.1 mirror plus a SQuAD 2.0 dev file of four articles of its own."""
+    words = "denver broncos won the game in santa clara".split()
+    data = []
+    for a in range(4):
+        context = " ".join(words[a:] + words[:a]) + " ."
+        qas = [{"id": f"v2-{a}-{k}", "question": f"which {words[k]} won ?",
+                "is_impossible": k % 2 == 1,
+                "answers": [] if k % 2 else [{"text": words[k], "answer_start":
+                                              context.index(words[k])}]} for k in range(4)]
+        data.append({"title": f"Dev_{a}", "paragraphs": [{"context": context, "qas": qas}]})
+    (mirror / "squad" / "dev-v2.0.json").write_text(json.dumps({"version": "v2.0",
+                                                                 "data": data}))
+    return mirror
+
+
 @pytest.fixture(scope="session")
 def real_squad():
     """The real SQuAD v1.1 train+dev, prepared (built once per cache; skipped without data)."""

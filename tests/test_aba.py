@@ -435,23 +435,6 @@ def test_train_and_dev_articles_must_be_disjoint():
         check_disjoint(concat([train, dev], "mixed"), dev)
 
 
-@pytest.fixture
-def squad2_mirror(mirror):
-    """The tiny v1.1 mirror plus a SQuAD 2.0 dev file of four articles of its own."""
-    words = "denver broncos won the game in santa clara".split()
-    data = []
-    for a in range(4):
-        context = " ".join(words[a:] + words[:a]) + " ."
-        qas = [{"id": f"v2-{a}-{k}", "question": f"which {words[k]} won ?",
-                "is_impossible": k % 2 == 1,
-                "answers": [] if k % 2 else [{"text": words[k], "answer_start":
-                                              context.index(words[k])}]} for k in range(4)]
-        data.append({"title": f"Dev_{a}", "paragraphs": [{"context": context, "qas": qas}]})
-    (mirror / "squad" / "dev-v2.0.json").write_text(json.dumps({"version": "v2.0",
-                                                                 "data": data}))
-    return mirror
-
-
 def test_offline_protocol_end_to_end_and_tuned_threshold(squad2_mirror, tmp_path, monkeypatch):
     data = load_squad2(context_limit=None)
     assert data.protocol == "offline" and data.version == "2.0"

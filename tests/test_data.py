@@ -195,6 +195,12 @@ def test_load_without_raw_files(mirror, monkeypatch, tmp_path):
                         lambda *a, **k: pytest.fail("should not download"))
     again = load_prepared()
     assert again.folder == first.folder and len(again.splits["dev"]) == 2
+    # The vocabulary alone, from the same folder: no split is read.
+    for name in ("train.npz", "dev.npz", "forms.npz"):
+        (first.folder / name).unlink()
+    vocab = load_prepared(vocab_only=True)
+    assert vocab.folder == first.folder and vocab.splits == {}
+    assert vocab.vocab.words == first.vocab.words and vocab.digests == first.digests
 
 
 def test_encode_texts_uses_the_vocab(mirror):

@@ -198,3 +198,31 @@ def test_plan_gives_each_queue_run_its_checkpoint_data_and_fate(mirror, tmp_path
     assert set(committed["runs"]) == {j.key for j in gs.queue.load_queue()}
     assert committed["command_minutes"] == gs.queue.COMMAND_MINUTES
     assert (committed["travel_mib"], committed["tree_mib"]) == (gs.TRAVEL_MIB, gs.TREE_MIB)
+
+
+def test_the_data_file_holds_the_files_loading_reads_and_the_texts_evaluation_reads(
+        squad2_mirror, tmp_path, monkeypatch):
+    """ABA's SQuAD 2.0 reads only the vocabulary of the prepared SQuAD v1.1 it is encoded
+    with, so only that part of its folder travels; the SQuAD 2.0 folder's training texts stay
+    behind; and the file alone loads on a machine without raw data."""
+    q = write_queue(tmp_path, {"tq": [{"run": "aba", "model": "bidafpp",
+                                       "dataset": "squad-v2.0", "priority": 1, "minutes": 1,
+                                       "schedule": "tiny"}]})
+    travel = tmp_path / "travel.tar.gz"
+    gs.write_travel(gs.queue.load_queue(q), travel, log=lambda line: None)
+    with tarfile.open(travel) as tar:
+        names = {tuple(n.split("/")[1:]) for n in tar.getnames()}
+    v11 = {name for folder, name in names if folder.startswith("squad-v1.1")}
+    v2 = {name for folder, name in names if folder.startswith("squad-v2.0")}
+    assert v11 == {"meta.json", "vocab.json", "vectors.npy"}
+    assert {"adapt.json.gz", "eval.json.gz", "train.npz", "meta.json"} <= v2
+    assert "train.json.gz" not in v2
+
+    from mrc_lib.data.squad2 import load_squad2
+
+    with tarfile.open(travel) as tar:
+        tar.extractall(tmp_path / "carried", filter="data")
+    monkeypatch.setenv("MRC_DATA_DIR", str(tmp_path / "nothing"))
+    monkeypatch.setenv("MRC_CACHE_DIR", str(tmp_path / "carried"))
+    data = load_squad2(context_limit=None)
+    assert len(data.eval) == 8 and data.eval.text["titles"]  # evaluation reads its texts

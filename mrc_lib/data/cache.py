@@ -168,12 +168,15 @@ def load_prepared(dataset: str = "squad-v1.1", splits=("train", "dev"), *,
                   glove: str = "glove.6B.50d", pipeline: str | None = None,
                   limits: dict[str, int] | None = None, context_limit: int | None = 400,
                   question_limit: int | None = 50, dev_context_limit: int | None = None,
-                  data_dir=None, cache_dir=None, prepared=None) -> PreparedData:
+                  data_dir=None, cache_dir=None, prepared=None,
+                  vocab_only: bool = False) -> PreparedData:
     """Load prepared splits, building the cache first if needed.
 
     ``limits`` keeps the first N examples of a split (a small real subset). Training examples
     whose context is longer than ``context_limit`` are dropped (as BiDAF and QANet do); other
-    splits are truncated to ``dev_context_limit`` (None: kept whole), never dropped.
+    splits are truncated to ``dev_context_limit`` (None: kept whole), never dropped. With
+    ``vocab_only``, the cache of ``splits`` is found or built alike, but only its vocabulary is
+    read (no split), so that a machine given the cache needs only those files of it.
     """
     folder = Path(prepared) if prepared else None
     if folder is None:  # raw files at hand, else a cache built elsewhere, else download
@@ -189,6 +192,8 @@ def load_prepared(dataset: str = "squad-v1.1", splits=("train", "dev"), *,
     if missing:
         raise UserError(f"{folder}: prepared cache has no split(s) {', '.join(missing)}")
     vocab = Vocab.load(folder)
+    if vocab_only:
+        return PreparedData(dataset, meta["version"], vocab, {}, meta["digests"], folder, meta)
     with np.load(folder / "forms.npz", allow_pickle=True) as f:
         forms = Forms(list(f["strings"]), f["word"], f["chars"])
     out = {}

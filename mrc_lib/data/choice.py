@@ -203,7 +203,7 @@ def load_passage_data(*, subset: str, limits: dict | None = None, glove: str = "
     encoded with the SQuAD v1.1 vocabulary (one context feature: the candidate flag)."""
     from mrc_lib.data.cache import load_prepared
 
-    squad = load_prepared("squad-v1.1", ("train", "dev"), glove=glove)
+    squad = load_prepared("squad-v1.1", ("train", "dev"), glove=glove, vocab_only=True)
     cloze = _wiki_cloze(seed, wiki)
     limits = limits or {}
     splits = {name: PassageSplit(cloze.examples(subset, source)[:limits.get(name)], squad.vocab,

@@ -255,7 +255,8 @@ def load_squad2(*, limits: dict[str, int] | None = None, context_limit: int | No
     """
     from mrc_lib.data.cache import load_prepared
 
-    v11 = load_prepared("squad-v1.1", glove=glove, data_dir=data_dir, cache_dir=cache_dir)
+    v11 = load_prepared("squad-v1.1", glove=glove, data_dir=data_dir, cache_dir=cache_dir,
+                        vocab_only=True)
     limits = {k: v for k, v in (limits or {}).items() if v}
     try:
         protocol, paths = _sources(data_dir, cache_dir)
