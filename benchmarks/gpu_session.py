@@ -484,8 +484,10 @@ def import_session(args) -> list[str]:
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
         carry = summary.get("carry_mib", queue.CARRY_MIB)
-        kept = queue.carry_over(args.runner, args.inbox / "1", int(carry * 2**20))[0]
-        if kept[1:]:  # a partial run, beside the records that book/runs now holds
+        # The partial runs alone: book/runs, which travels with the tree, has every record.
+        kept = queue.carry_over(args.runner, args.inbox / "1", int(carry * 2**20),
+                                records=False)[0]
+        if kept:
             lines.append(f"carry-over {args.inbox / '1'}: commit it")
         else:
             shutil.rmtree(args.inbox)

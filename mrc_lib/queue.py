@@ -483,11 +483,11 @@ def find_job(jobs: list[Job], key: str) -> Job:
 # --- moving a runner folder between machines, in bundles that fit one command -----------------
 
 
-def _units(out: Path) -> list[tuple[str, list[Path]]]:
+def _units(out: Path, records: bool = True) -> list[tuple[str, list[Path]]]:
     """``out``'s files worth moving, as units that arrive whole or not at all: ``records``
-    (every record, and every finished run's status) first, then each partial run's folder
-    (checkpoint parts included), smallest first. Finished runs' checkpoints stay behind: their
-    record is what counts."""
+    (every record, and every finished run's status; left out without ``records``) first, then
+    each partial run's folder (checkpoint parts included), smallest first. Finished runs'
+    checkpoints stay behind: their record is what counts."""
     head = sorted((out / "records").rglob("*.json")) if (out / "records").is_dir() else []
     runs = []
     for status in sorted(out.glob("*/**/status.json")):
@@ -500,7 +500,7 @@ def _units(out: Path) -> list[tuple[str, list[Path]]]:
                        and not p.name.endswith(".part"))
         runs.append((str(folder.relative_to(out)), files))
     runs.sort(key=lambda unit: (sum(p.stat().st_size for p in unit[1]), unit[0]))
-    return [("records", head), *runs]
+    return [("records", head), *runs] if records else runs
 
 
 def _tar(out: Path, files: list[Path]) -> bytes:
@@ -518,8 +518,8 @@ def _tar(out: Path, files: list[Path]) -> bytes:
     return buffer.getvalue()
 
 
-def pack(out: Path, dest: Path, bundle: int = 1,
-         budget: int = PACK_BUDGET) -> tuple[list[Path], int]:
+def pack(out: Path, dest: Path, bundle: int = 1, budget: int = PACK_BUDGET,
+         records: bool = True) -> tuple[list[Path], int]:
     """Write bundle ``bundle`` of ``out``'s transfer into ``dest``; return the files written
     and the number of bundles.
 
@@ -531,7 +531,7 @@ def pack(out: Path, dest: Path, bundle: int = 1,
     listing, so that :func:`unpack` can check that its bundles belong together. ``out`` must
     not change between the commands that write one pack's bundles."""
     listing, chunks, n_bundles, used = [], {}, 1, 0
-    for k, (name, files) in enumerate(_units(out)):
+    for k, (name, files) in enumerate(_units(out, records)):
         blob = _tar(out, files)
         pieces = []
         for piece, chunk in cut_parts(blob, f"queue.{k:03d}", PIECE_BYTES):
@@ -556,12 +556,13 @@ def pack(out: Path, dest: Path, bundle: int = 1,
     return [dest / "queue.json", *(dest / name for name in written)], n_bundles
 
 
-def carry_over(out: Path, dest: Path, budget: int) -> tuple[list[str], list[str]]:
-    """Bundle 1 of ``out``'s pack (:func:`pack`) in ``dest``, without the pieces of any unit
-    that does not fit it whole: what one command carries from a session to the next, where
-    nothing but bundle 1 travels. Returns the units kept (``records`` first) and those left
-    behind."""
-    pack(out, dest, 1, budget)
+def carry_over(out: Path, dest: Path, budget: int,
+               records: bool = True) -> tuple[list[str], list[str]]:
+    """Bundle 1 of ``out``'s pack (:func:`pack`, ``records`` or not) in ``dest``, without the
+    pieces of any unit that does not fit it whole: what one command carries from a session to
+    the next, where nothing but bundle 1 travels. Returns the units kept (``records`` first)
+    and those left behind."""
+    pack(out, dest, 1, budget, records)
     kept, left = [], []
     for unit in json.loads((dest / "queue.json").read_text(encoding="utf-8"))["units"]:
         if all(piece["bundle"] == 1 for piece in unit["pieces"]):

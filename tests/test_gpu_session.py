@@ -121,6 +121,8 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
     gpu, out = tmp_path / "gpu", tmp_path / "out"
     run = gpu / "ch" / "r"
     run.mkdir(parents=True)
+    (gpu / "ch" / "done").mkdir(parents=True)  # a finished run: its status is in "records"
+    (gpu / "ch" / "done" / "status.json").write_text(json.dumps({"complete": True}))
     (run / "status.json").write_text(json.dumps({"complete": False}))
     (run / "checkpoint.pt").write_bytes(b"weights")
     gs.queue.pack(gpu, out / "b1")
@@ -137,6 +139,9 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
     back = tmp_path / "back"
     gs.queue.unpack([inbox / "1"], back)  # what the next session starts from
     assert (back / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
+    # The records are in book/runs, which travels with the tree: not again in the inbox.
+    listing = json.loads((inbox / "1" / "queue.json").read_text())
+    assert [unit["unit"] for unit in listing["units"]] == ["ch/r"]
 
 
 def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypatch):
