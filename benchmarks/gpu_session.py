@@ -24,7 +24,7 @@ is named in ``session.json``, and the next step still runs.
 
 ``prepare`` loads the selected runs' data here, where spaCy, the raw files and GloVe are,
 notes the cache files that the loading reads, and writes them, with the texts that evaluation
-reads, to ``.devcache/travel.tar.gz``. SQuAD's training texts stay behind (training never
+reads, to ``.devcache/travel.tar.xz``. SQuAD's training texts stay behind (training never
 reads them) unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds
 that from them. ``run`` unpacks that file into a cache of its own. A command carries 64 MiB:
 the tree (``TREE_MIB``), that file, and the last session's carry-over; what the tree and the
@@ -61,7 +61,7 @@ from mrc_lib.errors import UserError  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-TRAVEL = ROOT / ".devcache" / "travel.tar.gz"
+TRAVEL = ROOT / ".devcache" / "travel.tar.xz"
 RUNNER = ROOT / "runs" / "queue"
 INBOX = ROOT / "runs" / "inbox"
 WORK = ROOT / "runs" / "session"
@@ -366,7 +366,7 @@ def write_travel(jobs: list[queue.Job], travel: Path, log=print) -> float:
             files.add(text)
     travel.parent.mkdir(parents=True, exist_ok=True)
     part = travel.with_name(travel.name + ".part")
-    with tarfile.open(part, "w:gz") as tar:
+    with tarfile.open(part, "w:xz", preset=6) as tar:  # xz: 4-7 MiB less than gzip
         for path in sorted(files):
             tar.add(path, arcname=str(path.relative_to(root)))
     part.replace(travel)
@@ -422,7 +422,7 @@ def plan(args) -> dict:
     for job in jobs:
         groups.setdefault(queue.data_key(job.config(args.profile)), []).append(job)
     runs, chapters = {}, {}
-    scratch = Path(args.work) / "plan.tar.gz"
+    scratch = Path(args.work) / "plan.tar.xz"
     for group in groups.values():
         mib = write_travel(group, scratch, log=lambda line: None)
         carry = carry_mib(mib)

@@ -68,7 +68,7 @@ PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
 COMMAND_MINUTES = 9.0  # the most one GPU command trains (10 minutes, less start and pack)
 # What one command's runner folder may carry on to the next GPU session's (bundle 1) where its
 # data is not carried: a session with a data file takes 64 MiB less the tree and the data
-# (benchmarks/gpu_session.py carry_mib: 29 to 30 MiB beside one prepared dataset).
+# (benchmarks/gpu_session.py carry_mib: 26 to 42 MiB beside one chapter's data).
 CARRY_MIB = 29
 LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
 

@@ -23,7 +23,7 @@ gs = load_bringup("gpu_session")
 def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatch, capsys):
     q = write_queue(tmp_path, {"tq": [{"run": "bidaf", "model": "bidaf", "priority": 1,
                                        "minutes": 1, "schedule": "tiny", "overrides": TINY}]})
-    travel = tmp_path / "travel.tar.gz"
+    travel = tmp_path / "travel.tar.xz"
     gs.main(["prepare", "--only", "tq/*", "--queue-file", q, "--travel", str(travel)])
     with tarfile.open(travel) as tar:
         names = tar.getnames()
@@ -213,7 +213,7 @@ def test_the_data_file_holds_the_files_loading_reads_and_the_texts_evaluation_re
     q = write_queue(tmp_path, {"tq": [{"run": "aba", "model": "bidafpp",
                                        "dataset": "squad-v2.0", "priority": 1, "minutes": 1,
                                        "schedule": "tiny"}]})
-    travel = tmp_path / "travel.tar.gz"
+    travel = tmp_path / "travel.tar.xz"
     gs.write_travel(gs.queue.load_queue(q), travel, log=lambda line: None)
     with tarfile.open(travel) as tar:
         names = {tuple(n.split("/")[1:]) for n in tar.getnames()}
