@@ -428,8 +428,7 @@ def plan(args) -> dict:
         carry = carry_mib(mib)
         for job in group:
             size = queue.checkpoint_size(job, args.profile)
-            fate = "command" if job.entry.minutes <= queue.COMMAND_MINUTES else \
-                "carried" if queue.carried_on(size, carry) else "stranded"
+            fate = queue.fate(job, size, carry)
             runs[job.key] = {"priority": job.priority, "minutes": job.entry.minutes,
                              "checkpoint_mib": round(size / 2**20, 1),
                              "travel_mib": round(mib, 1), "carry_mib": carry, "fate": fate}

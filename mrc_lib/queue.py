@@ -424,13 +424,17 @@ def stranded(jobs: list[Job], carry_mib: float, profile: str = "full") -> list[t
     records (:class:`Carry`), so :func:`startable` never starts them."""
     sizes = [(job, checkpoint_size(job, profile)) for job in jobs
              if job.entry.minutes > COMMAND_MINUTES]
-    return [(job, size) for job, size in sizes if not carried_on(size, carry_mib)]
+    return [(job, size) for job, size in sizes if fate(job, size, carry_mib) == "stranded"]
 
 
-def carried_on(size: int, carry_mib: float) -> bool:
-    """Whether a run's checkpoint of ``size`` bytes fits a carry-over of ``carry_mib`` MiB
-    beside the records (with :class:`Carry`'s slack for each)."""
-    return size + 2 * Carry.SLACK <= carry_mib * 2**20
+def fate(job: Job, size: int, carry_mib: float) -> str:
+    """``job``'s fate in commands whose runner folder moves on as a carry-over of at most
+    ``carry_mib`` MiB, its checkpoint weighing ``size`` bytes: ``command`` (it ends within
+    one), ``carried`` (longer, its checkpoint fits beside the records, with :class:`Carry`'s
+    slack for each: it resumes from command to command) or ``stranded`` (neither)."""
+    if job.entry.minutes <= COMMAND_MINUTES:
+        return "command"
+    return "carried" if size + 2 * Carry.SLACK <= carry_mib * 2**20 else "stranded"
 
 
 @functools.cache
@@ -439,11 +443,24 @@ def checkpoint_size(job: Job, profile: str = "full") -> int:
     built on its data's vocabulary (a multi-passage run's is its source's, the prepared SQuAD,
     which loads without building the passages)."""
     from mrc_lib.models import build_model
-    from mrc_lib.train import checkpoint_bytes, load_data
+    from mrc_lib.train import checkpoint_bytes
 
     cfg = job.config(profile)
     source = dataclasses.replace(cfg, data_options={}) if "passages" in cfg.data_options else cfg
-    return checkpoint_bytes(cfg, build_model(cfg.model, load_data(source).vocab, **cfg.hparams))
+    return checkpoint_bytes(cfg, build_model(cfg.model, _vocab(source), **cfg.hparams))
+
+
+_VOCABS: dict[str, object] = {}  # data_key -> vocabulary, for checkpoint_size
+
+
+def _vocab(cfg):
+    """The vocabulary of ``cfg``'s data, loaded once per :func:`data_key`."""
+    from mrc_lib.train import load_data
+
+    key = data_key(cfg)
+    if key not in _VOCABS:
+        _VOCABS[key] = load_data(cfg).vocab
+    return _VOCABS[key]
 
 
 def measured_parallel(results: Path = PACKING_RESULTS) -> int:
