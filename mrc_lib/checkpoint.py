@@ -12,6 +12,14 @@ part's size and SHA-256 (:func:`mrc_lib.utils.write_parts` and ``join_parts``, s
 the queue's transfer). The parts are written first and the manifest last, so the manifest's
 rename is the commit point; the previous checkpoint's parts are deleted only after it. A
 missing, truncated or altered part is a one-line :class:`UserError` naming the file.
+
+A split checkpoint is also packed losslessly (:data:`CODEC`), because a run that outlasts a
+GPU command moves on only inside the 64 MiB a command carries: each floating tensor is stored
+as its byte planes (the k-th byte of every element together) and the whole is deflated. The
+plane holding the sign and the exponent's high bits shrinks to about a third (weights, Adam's
+moments and weight averages span few binades); the mantissa planes are noise and stay as they
+are. An Iterative Aligner checkpoint after 300 steps packs to 0.84 of its size;
+:data:`PACKED_RATIO` is the bound the queue plans with.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import hashlib
 import io
 import pickle
 import random
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +39,11 @@ from mrc_lib.utils import atomic_path, join_parts, write_parts
 
 PARTS_KEY = "checkpoint_parts"  # the manifest's key: a list of {"name", "bytes", "sha256"}
 PART_BYTES = 15 * 2**20  # under the 16 MB a file may have to come back from a GPU machine
+CODEC_KEY, CODEC = "codec", "byte-planes+zlib"  # how a split checkpoint's parts are packed
+PLANES_KEY = "byte_planes"  # a floating tensor's stand-in: {PLANES_KEY, "dtype", "shape"}
+# The packed size over the unpacked one, at most, for planning: the quarter of the bytes that
+# holds sign and exponent halved (it packs to 0.36-0.42), the mantissa planes as they are.
+PACKED_RATIO = 0.875
 
 
 def seed_everything(seed: int) -> None:
@@ -69,15 +83,42 @@ def save_checkpoint(path: str | Path, state: dict, part_bytes: int | None = None
         return
     path = Path(path)
     buffer = io.BytesIO()
-    torch.save(state, buffer)
-    blob = buffer.getvalue()
+    torch.save(to_planes(state), buffer)
+    blob = zlib.compress(buffer.getvalue(), 6)
     digest = hashlib.sha256(blob).hexdigest()
     parts = write_parts(blob, path.parent, f"{path.name}.{digest[:12]}", part_bytes)
-    save_checkpoint(path, {PARTS_KEY: parts})
+    save_checkpoint(path, {PARTS_KEY: parts, CODEC_KEY: CODEC})
     keep = {p["name"] for p in parts}
     for old in path.parent.glob(f"{path.name}.*.[0-9][0-9][0-9]"):
         if old.name not in keep:
             old.unlink(missing_ok=True)
+
+
+def to_planes(obj):
+    """``obj`` with each floating tensor replaced by its bytes as planes, ``(element size, n)``
+    uint8 (:data:`PLANES_KEY`), which deflate far better than interleaved bytes."""
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+        flat = obj.detach().cpu().reshape(-1).contiguous()
+        planes = flat.view(torch.uint8).view(-1, flat.element_size()).T.contiguous()
+        return {PLANES_KEY: planes, "dtype": str(obj.dtype).removeprefix("torch."),
+                "shape": list(obj.shape)}
+    if isinstance(obj, dict):
+        return {k: to_planes(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(to_planes(v) for v in obj)
+    return obj
+
+
+def from_planes(obj):
+    """The inverse of :func:`to_planes`: the same tensors, bit for bit."""
+    if isinstance(obj, dict) and PLANES_KEY in obj:
+        dtype = getattr(torch, obj["dtype"])
+        return obj[PLANES_KEY].T.contiguous().view(dtype).reshape(obj["shape"])
+    if isinstance(obj, dict):
+        return {k: from_planes(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(from_planes(v) for v in obj)
+    return obj
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -102,9 +143,16 @@ def load_checkpoint(path: str | Path) -> dict:
     saved = _load(path)
     if not (isinstance(saved, dict) and PARTS_KEY in saved):
         return saved
+    blob = join_parts(path, saved[PARTS_KEY])
+    codec = saved.get(CODEC_KEY)
+    if codec not in (None, CODEC):
+        raise UserError(f"{path}: parts packed as {codec!r}, which this version cannot read "
+                        f"(it reads {CODEC!r})")
     try:
-        return torch.load(io.BytesIO(join_parts(path, saved[PARTS_KEY])), map_location="cpu",
-                          weights_only=True)
-    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
+        if codec == CODEC:
+            return from_planes(torch.load(io.BytesIO(zlib.decompress(blob)),
+                                          map_location="cpu", weights_only=True))
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zlib.error) as e:
         raise UserError(f"{path}: parts do not form a readable checkpoint: "
                         f"{str(e).splitlines()[0]}") from None

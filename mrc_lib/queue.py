@@ -68,7 +68,7 @@ PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
 COMMAND_MINUTES = 9.0  # the most one GPU command trains (10 minutes, less start and pack)
 # What one command's runner folder may carry on to the next GPU session's (bundle 1) where its
 # data is not carried: a session with a data file takes 64 MiB less the tree and the data
-# (benchmarks/gpu_session.py carry_mib: 26 to 42 MiB beside one chapter's data).
+# (benchmarks/gpu_session.py carry_mib: 31.7 to 42.4 MiB beside one chapter's data).
 CARRY_MIB = 29
 LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
 
@@ -543,8 +543,8 @@ def pack(out: Path, dest: Path, bundle: int = 1, budget: int = PACK_BUDGET,
     Each unit of :func:`_units` is a tar cut into pieces of at most 15 MiB,
     ``queue.<unit>.<piece>``; the pieces, in order, fill bundles of at most ``budget`` bytes
     (60 MiB: what may come back from the GPU machine per command, or carried to it beside the
-    cache), so a partial run larger than one command's transfer (PhaseCond's checkpoint is
-    about 113 MiB) travels over several. Every bundle holds ``queue.json``, the whole pack's
+    cache), so a partial run larger than one command's transfer (PhaseCond's checkpoint packs
+    to about 95 MiB) travels over several. Every bundle holds ``queue.json``, the whole pack's
     listing, so that :func:`unpack` can check that its bundles belong together. ``out`` must
     not change between the commands that write one pack's bundles."""
     listing, chunks, n_bundles, used = [], {}, 1, 0

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 
 from mrc_lib.errors import UserError
-from mrc_lib.utils import atomic_write_json
+from mrc_lib.utils import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOK_RUNS = ROOT / "book" / "runs"
@@ -108,14 +108,32 @@ def make_record(metrics: dict, *, chapter: str, run: str, log_path: Path | None 
 
 
 def write_record(path: str | Path, record: dict) -> Path:
-    """Write ``record`` atomically; a record over :data:`MAX_BYTES` is refused."""
+    """Write ``record`` atomically (:func:`dumps`); a record over :data:`MAX_BYTES` is
+    refused."""
     path = Path(path)
-    text = json.dumps(record, indent=1, ensure_ascii=False)
-    if len(text.encode()) > MAX_BYTES:
-        raise UserError(f"{path}: record of {len(text.encode())} bytes is over {MAX_BYTES}; "
+    blob = (dumps(record) + "\n").encode()
+    if len(blob) > MAX_BYTES:
+        raise UserError(f"{path}: record of {len(blob)} bytes is over {MAX_BYTES}; "
                         "shrink the reader's analysis payload")
-    atomic_write_json(path, record, indent=1)
+    atomic_write_bytes(path, blob)
     return path
+
+
+def dumps(obj, level: int = 0) -> str:
+    """``obj`` as JSON, one key per line, but each list of plain values (a row of an attention
+    map, a sentence's tokens) on one line: readable in a diff, and about 40% smaller than
+    indenting every number, which matters because the records travel to every GPU session
+    with the tree."""
+    pad, inner = " " * level, " " * (level + 1)
+    if isinstance(obj, dict) and obj:
+        items = [f"{inner}{json.dumps(k, ensure_ascii=False)}: {dumps(v, level + 1)}"
+                 for k, v in obj.items()]
+    elif isinstance(obj, list) and any(isinstance(v, (dict, list)) for v in obj):
+        items = [inner + dumps(v, level + 1) for v in obj]
+    else:
+        return json.dumps(obj, ensure_ascii=False)
+    opening, closing = ("{", "}") if isinstance(obj, dict) else ("[", "]")
+    return f"{opening}\n" + ",\n".join(items) + f"\n{pad}{closing}"
 
 
 def read_record(path: str | Path) -> dict:

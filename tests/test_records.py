@@ -46,6 +46,19 @@ def test_a_record_is_the_metrics_without_predictions_plus_provenance(tmp_path, d
     assert back["config"]["hparams"] == effective_hparams(toy_config().to_dict())
 
 
+def test_a_record_keeps_each_list_of_plain_values_on_one_line(tmp_path):
+    """Records travel to every GPU session with the tree: a row of an attention map is one
+    line, not one line per number; the JSON is the same."""
+    record = {"dev": {"f1": 71.25}, "analysis": {"tokens": ["a", "(", "]"],
+                                                 "map": [[0.125, 0.5], [1, 2]], "empty": {}},
+              "loss_curve": [], "runs": [{"seed": 0}]}
+    text = records.write_record(tmp_path / "r.json", record).read_text()
+    assert json.loads(text) == record
+    assert '  "tokens": ["a", "(", "]"],\n' in text and '   [0.125, 0.5],\n' in text
+    assert '"empty": {}' in text and '"loss_curve": [],' in text
+    assert len(text) < len(json.dumps(record, indent=1))
+
+
 def test_the_hash_ignores_where_and_how_often_a_run_is_checkpointed():
     base = toy_config().to_dict()
     same = {**base, "device": "cuda", "checkpoint_every": 7, "eval_batch_size": 9}
