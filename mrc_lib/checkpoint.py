@@ -14,12 +14,13 @@ rename is the commit point; the previous checkpoint's parts are deleted only aft
 missing, truncated or altered part is a one-line :class:`UserError` naming the file.
 
 A split checkpoint is also packed losslessly (:data:`CODEC`), because a run that outlasts a
-GPU command moves on only inside the 64 MiB a command carries: each floating tensor is stored
-as its byte planes (the k-th byte of every element together) and the whole is deflated. The
-plane holding the sign and the exponent's high bits shrinks to about a third (weights, Adam's
-moments and weight averages span few binades); the mantissa planes are noise and stay as they
-are. An Iterative Aligner checkpoint after 300 steps packs to 0.84 of its size;
-:data:`PACKED_RATIO` is the bound the queue plans with.
+GPU command moves on only inside the 64 MiB a command carries. Each floating tensor is cut
+into its byte planes (the k-th byte of every element together). The most significant plane,
+the sign and the exponent's high bits, deflates to about 0.37 (weights, Adam's moments and
+weight averages span few binades); the other planes are mantissa bits, noise that no
+compressor shrinks, and are stored as they are, so packing costs a fraction of a second. An
+Iterative Aligner checkpoint after 300 steps packs to 0.84 of its size; :data:`PACKED_RATIO`
+is the bound the queue plans with.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import hashlib
 import io
 import pickle
 import random
+import sys
 import zlib
 from pathlib import Path
 
@@ -39,8 +41,9 @@ from mrc_lib.utils import atomic_path, join_parts, write_parts
 
 PARTS_KEY = "checkpoint_parts"  # the manifest's key: a list of {"name", "bytes", "sha256"}
 PART_BYTES = 15 * 2**20  # under the 16 MB a file may have to come back from a GPU machine
-CODEC_KEY, CODEC = "codec", "byte-planes+zlib"  # how a split checkpoint's parts are packed
-PLANES_KEY = "byte_planes"  # a floating tensor's stand-in: {PLANES_KEY, "dtype", "shape"}
+CODEC_KEY, CODEC = "codec", "sign-exponent-plane+deflate"  # how a split checkpoint is packed
+# A floating tensor's stand-in: {SIGN_EXPONENT, "mantissa_planes", "dtype", "shape"}.
+SIGN_EXPONENT = "sign_exponent_plane"
 # The packed size over the unpacked one, at most, for planning: the quarter of the bytes that
 # holds sign and exponent halved (it packs to 0.36-0.42), the mantissa planes as they are.
 PACKED_RATIO = 0.875
@@ -84,7 +87,7 @@ def save_checkpoint(path: str | Path, state: dict, part_bytes: int | None = None
     path = Path(path)
     buffer = io.BytesIO()
     torch.save(to_planes(state), buffer)
-    blob = zlib.compress(buffer.getvalue(), 6)
+    blob = buffer.getvalue()
     digest = hashlib.sha256(blob).hexdigest()
     parts = write_parts(blob, path.parent, f"{path.name}.{digest[:12]}", part_bytes)
     save_checkpoint(path, {PARTS_KEY: parts, CODEC_KEY: CODEC})
@@ -95,13 +98,17 @@ def save_checkpoint(path: str | Path, state: dict, part_bytes: int | None = None
 
 
 def to_planes(obj):
-    """``obj`` with each floating tensor replaced by its bytes as planes, ``(element size, n)``
-    uint8 (:data:`PLANES_KEY`), which deflate far better than interleaved bytes."""
+    """``obj`` with each floating tensor replaced by its byte planes: the most significant
+    deflated (:data:`SIGN_EXPONENT`), the others as they are."""
     if isinstance(obj, torch.Tensor) and obj.is_floating_point():
         flat = obj.detach().cpu().reshape(-1).contiguous()
-        planes = flat.view(torch.uint8).view(-1, flat.element_size()).T.contiguous()
-        return {PLANES_KEY: planes, "dtype": str(obj.dtype).removeprefix("torch."),
-                "shape": list(obj.shape)}
+        planes = _significance_order(flat.view(torch.uint8).view(-1, flat.element_size()).T)
+        # Run-length deflate: nine times level 6's speed, for 3% more bytes.
+        packer = zlib.compressobj(1, zlib.DEFLATED, 15, 9, zlib.Z_RLE)
+        top = packer.compress(planes[-1].numpy().tobytes()) + packer.flush()
+        return {SIGN_EXPONENT: _uint8(top),
+                "mantissa_planes": planes[:-1].contiguous(),
+                "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
     if isinstance(obj, dict):
         return {k: to_planes(v) for k, v in obj.items()}
     if type(obj) in (list, tuple):
@@ -111,14 +118,26 @@ def to_planes(obj):
 
 def from_planes(obj):
     """The inverse of :func:`to_planes`: the same tensors, bit for bit."""
-    if isinstance(obj, dict) and PLANES_KEY in obj:
+    if isinstance(obj, dict) and SIGN_EXPONENT in obj:
+        top = _uint8(zlib.decompress(obj[SIGN_EXPONENT].numpy().tobytes()))
+        planes = _significance_order(torch.cat([obj["mantissa_planes"], top[None]]))
         dtype = getattr(torch, obj["dtype"])
-        return obj[PLANES_KEY].T.contiguous().view(dtype).reshape(obj["shape"])
+        return planes.T.reshape(-1).view(dtype).reshape(obj["shape"])
     if isinstance(obj, dict):
         return {k: from_planes(v) for k, v in obj.items()}
     if type(obj) in (list, tuple):
         return type(obj)(from_planes(v) for v in obj)
     return obj
+
+
+def _uint8(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor (``torch.save`` writes Python bytes as text, 1.5x longer)."""
+    return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+
+
+def _significance_order(planes: torch.Tensor) -> torch.Tensor:
+    """Byte planes (rows) from memory order to least significant first, and back."""
+    return planes if sys.byteorder == "little" else planes.flip(0)
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -149,10 +168,8 @@ def load_checkpoint(path: str | Path) -> dict:
         raise UserError(f"{path}: parts packed as {codec!r}, which this version cannot read "
                         f"(it reads {CODEC!r})")
     try:
-        if codec == CODEC:
-            return from_planes(torch.load(io.BytesIO(zlib.decompress(blob)),
-                                          map_location="cpu", weights_only=True))
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        return from_planes(state) if codec == CODEC else state
     except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zlib.error) as e:
         raise UserError(f"{path}: parts do not form a readable checkpoint: "
                         f"{str(e).splitlines()[0]}") from None
