@@ -100,33 +100,44 @@ def save_checkpoint(path: str | Path, state: dict, part_bytes: int | None = None
 def to_planes(obj):
     """``obj`` with each floating tensor replaced by its byte planes: the most significant
     deflated (:data:`SIGN_EXPONENT`), the others as they are."""
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
-        flat = obj.detach().cpu().reshape(-1).contiguous()
-        planes = _significance_order(flat.view(torch.uint8).view(-1, flat.element_size()).T)
-        # Run-length deflate: nine times level 6's speed, for 3% more bytes.
-        packer = zlib.compressobj(1, zlib.DEFLATED, 15, 9, zlib.Z_RLE)
-        top = packer.compress(planes[-1].numpy().tobytes()) + packer.flush()
-        return {SIGN_EXPONENT: _uint8(top),
-                "mantissa_planes": planes[:-1].contiguous(),
-                "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
-    if isinstance(obj, dict):
-        return {k: to_planes(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(to_planes(v) for v in obj)
-    return obj
+    return _map(obj, _pack)
 
 
 def from_planes(obj):
     """The inverse of :func:`to_planes`: the same tensors, bit for bit."""
-    if isinstance(obj, dict) and SIGN_EXPONENT in obj:
-        top = _uint8(zlib.decompress(obj[SIGN_EXPONENT].numpy().tobytes()))
-        planes = _significance_order(torch.cat([obj["mantissa_planes"], top[None]]))
-        dtype = getattr(torch, obj["dtype"])
-        return planes.T.reshape(-1).view(dtype).reshape(obj["shape"])
+    return _map(obj, _unpack)
+
+
+def _pack(obj):
+    if not (isinstance(obj, torch.Tensor) and obj.is_floating_point()):
+        return obj
+    flat = obj.detach().cpu().reshape(-1).contiguous()
+    planes = _significance_order(flat.view(torch.uint8).view(-1, flat.element_size()).T)
+    # Run-length deflate: nine times level 6's speed, for 3% more bytes.
+    packer = zlib.compressobj(1, zlib.DEFLATED, 15, 9, zlib.Z_RLE)
+    top = packer.compress(planes[-1].numpy().tobytes()) + packer.flush()
+    return {SIGN_EXPONENT: _uint8(top), "mantissa_planes": planes[:-1].contiguous(),
+            "dtype": str(obj.dtype).removeprefix("torch."), "shape": list(obj.shape)}
+
+
+def _unpack(obj):
+    if not (isinstance(obj, dict) and SIGN_EXPONENT in obj):
+        return obj
+    top = _uint8(zlib.decompress(obj[SIGN_EXPONENT].numpy().tobytes()))
+    planes = _significance_order(torch.cat([obj["mantissa_planes"], top[None]]))
+    return planes.T.reshape(-1).view(getattr(torch, obj["dtype"])).reshape(obj["shape"])
+
+
+def _map(obj, convert):
+    """``obj`` with ``convert`` applied to it and, where that leaves it as it is, to each value
+    of its dicts, lists and tuples in turn."""
+    converted = convert(obj)
+    if converted is not obj:
+        return converted
     if isinstance(obj, dict):
-        return {k: from_planes(v) for k, v in obj.items()}
+        return {k: _map(v, convert) for k, v in obj.items()}
     if type(obj) in (list, tuple):
-        return type(obj)(from_planes(v) for v in obj)
+        return type(obj)(_map(v, convert) for v in obj)
     return obj
 
 
