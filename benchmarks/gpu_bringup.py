@@ -21,6 +21,9 @@ of SQuAD's (:mod:`mrc_lib.bench`):
 
 A reader that fails is reported with its error and the others still run. The result goes to
 ``benchmarks/results/gpu_<device>.json`` (or ``--out``), rewritten after each reader.
+``--resume`` goes on with a file that a cut command left: the readers it holds under the same
+settings, without an error and with their current config hash, are kept, and only the others
+are measured (a GPU session's compile step, cut after QANet, compiles DynSAN next time).
 ``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
 the script, not the speed.
 """
@@ -28,6 +31,7 @@ the script, not the speed.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import traceback
@@ -40,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from mrc_lib import records  # noqa: E402
 from mrc_lib.bench import SQUAD_TRAIN_EXAMPLES, full_readers, setup, time_steps  # noqa: E402
-from mrc_lib.config import CHOICES  # noqa: E402
+from mrc_lib.config import CHOICES, resolve_config  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     compiled,
     count_parameters,
@@ -70,14 +74,18 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
             "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
 
 
+def overrides(device: str, tiny: bool, compile_mode: str | None) -> list[str]:
+    """The config keys a measurement sets over its profile's."""
+    keys = [f"device={device}"] + (["batch_size=2"] if tiny else [])
+    return keys + (["compile=true", f"compile_mode={compile_mode}"] if compile_mode else [])
+
+
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
             compile_mode: str | None) -> dict:
     """One reader's bring-up: a checked training step, then speeds and peak memory; through
     :func:`torch.compile` in ``compile_mode`` unless it is ``None``."""
-    overrides = [f"device={device}"] + (["batch_size=2"] if tiny else [])
-    if compile_mode is not None:
-        overrides += ["compile=true", f"compile_mode={compile_mode}"]
-    s = setup(name, "smoke" if tiny else "full", overrides, 2_000 if tiny else None)
+    s = setup(name, "smoke" if tiny else "full", overrides(device, tiny, compile_mode),
+              2_000 if tiny else None)
     cfg, dev, model = s.cfg, s.device, s.model
     net = compiled(model, mode=cfg.compile_mode) if cfg.compile else model
     if dev.type == "cuda":
@@ -93,6 +101,24 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     return result
 
 
+SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "tiny", "seq_lens", "steps")
+
+
+def kept(out: Path, results: dict, device: str) -> dict:
+    """The readers of a cut file ``out`` to keep: measured under ``results``' settings, without
+    an error, and with the config hash each has today."""
+    if not out.is_file():
+        return {}
+    earlier = json.loads(out.read_text(encoding="utf-8"))
+    if any(earlier.get(key) != results[key] for key in SETTINGS):
+        return {}
+    mode = results["compile_mode"]
+    return {name: entry for name, entry in earlier.get("models", {}).items()
+            if "error" not in entry and entry.get("config_hash") == records.config_hash(
+                resolve_config(name, profile="smoke" if results["tiny"] else "full",
+                               overrides=overrides(device, results["tiny"], mode)).to_dict())}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -104,6 +130,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
     p.add_argument("--out", default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="keep the readers that a cut --out file already holds")
     args = p.parse_args(argv)
     seq_lens = [16] if args.tiny else [int(s) for s in args.seq_len.split(",")]
     steps = 1 if args.tiny else args.steps
@@ -114,7 +142,12 @@ def main(argv=None) -> dict:
                "cuda": torch.version.cuda, "compile": args.compile,
                "compile_mode": args.compile_mode if args.compile else None, "tiny": args.tiny,
                "seq_lens": seq_lens, "steps": steps, "models": {}}
+    if args.resume:
+        results["models"] = kept(out, results, args.device)
     for name in args.models.split(",") if args.models else full_readers():
+        if name in results["models"]:
+            print(name, "kept", flush=True)
+            continue
         tic = time.perf_counter()
         try:
             results["models"][name] = measure(name, args.device, seq_lens, steps, args.tiny,

@@ -6,16 +6,19 @@ the time on what is still missing for this GPU, in this order:
    (``gpu_bringup.py``). It runs again when a reader's config hash differs from its entry.
 2. ``measure``: the chapters' measurements that no GPU has made (``python -m mrc_lib measure``).
 3. ``packing``: how many training processes share the GPU best (``gpu_packing.py``).
-4. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
+4. ``profile``: where QANet's and DynSAN's steps spend their time: kernel time against wall
+   time, and the operators and kernels that take the most (``gpu_profile.py``).
+5. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
    mode and with CUDA graphs (``gpu_bringup.py --compile``).
-5. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
+6. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
 
 Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
 and ``session.json``, one entry per step) and the runner folder's bundle 1, ``b1``: every
 record, measurements included, and the partial runs that the next session can resume. A step is
-skipped when its result is already on file for this GPU, whole (a benchmark file that a cut
-left without ``"complete": true`` is measured again). A step that fails or runs out of time
-is named in ``session.json``, and the next step still runs.
+skipped when its result is already on file for this GPU, whole; ``bringup`` and the compile
+steps go on from a file that a cut left without ``"complete": true`` (its readers are kept,
+the others measured). A step that fails or runs out of time is named in ``session.json``,
+and the next step still runs.
 
     python benchmarks/gpu_session.py prepare --only '05_ea_reader/*'   # CPU side: the data
     python benchmarks/gpu_session.py run --out $OUT --only '05_ea_reader/*'   # the command
@@ -103,6 +106,15 @@ class Session:
         """Where this command writes benchmark file ``name`` (``name`` with the device)."""
         return self.work / "results" / name.format(device=slug(self.device))
 
+    def resumed(self, name: str) -> Path:
+        """Where this command writes ``name``, holding the file on file for this device when
+        this command has none yet: a measurement that a cut step left goes on from it."""
+        path = self.result(name)
+        earlier = self.results / path.name
+        if not path.exists() and earlier.is_file():
+            shutil.copyfile(earlier, path)
+        return path
+
     def on_file(self, name: str) -> dict | None:
         """This device's benchmark file ``name``: written by this command, else on file."""
         for folder in (self.work / "results", self.results):
@@ -145,7 +157,8 @@ def bringup_skip(s: Session) -> str | None:
 
 def bringup_argv(s: Session, budget: float) -> list[str]:
     tiny = ["--device", "cpu", "--tiny", "--models", "bidaf"] if s.tiny else []
-    return [PY, "benchmarks/gpu_bringup.py", *tiny, "--out", str(s.result("gpu_{device}.json"))]
+    return [PY, "benchmarks/gpu_bringup.py", *tiny, "--resume",
+            "--out", str(s.resumed("gpu_{device}.json"))]
 
 
 def measure_skip(s: Session) -> str | None:
@@ -173,6 +186,17 @@ def packing_argv(s: Session, budget: float) -> list[str]:
             "--out", str(s.result("packing_{device}.json"))]
 
 
+def profile_skip(s: Session) -> str | None:
+    found = s.on_file("profile_{device}.json")
+    return "on file" if found and found.get("complete") and not s.tiny else None
+
+
+def profile_argv(s: Session, budget: float) -> list[str]:
+    tiny = ["--device", "cpu", "--tiny"] if s.tiny else []
+    return [PY, "benchmarks/gpu_profile.py", *tiny, "--models",
+            "bidaf" if s.tiny else COMPILE_MODELS, "--out", str(s.result("profile_{device}.json"))]
+
+
 def compile_step(name: str, mode: str, file: str) -> Step:
     def skip(s: Session) -> str | None:
         found = s.on_file(file)
@@ -180,8 +204,8 @@ def compile_step(name: str, mode: str, file: str) -> Step:
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
-                "--models", COMPILE_MODELS, "--seq-len", "140,400,250",
-                "--out", str(s.result(file))]
+                "--models", COMPILE_MODELS, "--seq-len", "140,400,250", "--resume",
+                "--out", str(s.resumed(file))]
 
     return Step(name, 180, 120, skip, argv)
 
@@ -216,6 +240,7 @@ STEPS = [
     Step("bringup", 150, 60, bringup_skip, bringup_argv),
     Step("measure", 330, 120, measure_skip, measure_argv),
     Step("packing", 270, 200, packing_skip, packing_argv),
+    Step("profile", 90, 45, profile_skip, profile_argv),
     compile_step("compile", "default", "gpu_{device}_compile.json"),
     compile_step("compile_ro", "reduce-overhead", "gpu_{device}_compile_reduce_overhead.json"),
     Step("train", 600, 150, train_skip, train_argv),
@@ -488,13 +513,21 @@ FATES = ("each queue run's estimated H100 minutes; its checkpoint's MiB; the MiB
          "(neither: a session never starts it)")
 
 
+def unused(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... where that is taken (two imports in a second)."""
+    k = 1
+    while (found := path if k == 1 else path.with_name(f"{path.name}-{k}")).exists():
+        k += 1
+    return found
+
+
 def import_session(args) -> list[str]:
     """``import``: keep what came back outside the repository, copy the benchmark files into
     ``benchmarks/results``, unpack the bundles into the runner folder, import its records into
     ``book/runs`` and make ``runs/inbox`` the carry-over of the next session."""
     source = Path(args.source)
-    keep = Path(args.keep or ROOT.parent / "back" / datetime.now(UTC).strftime(
-        "%Y%m%dT%H%M%S"))
+    keep = Path(args.keep) if args.keep else unused(ROOT.parent / "back" / datetime.now(
+        UTC).strftime("%Y%m%dT%H%M%S"))
     if not (source / "session.tar").is_file():
         raise UserError(f"{source}: no session.tar (not what `gpu_session.py run` wrote)")
     shutil.copytree(source, keep, dirs_exist_ok=True)

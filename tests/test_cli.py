@@ -74,6 +74,44 @@ def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
         assert m["epoch_seconds"] == speed["epoch_seconds"] > 0 and m["peak_memory_bytes"] > 0
 
 
+def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
+    """A cut command's file goes on: readers measured under the same settings with today's
+    config hash are kept, the rest (a stale hash, an error, missing) measured again."""
+    bringup = load_bringup()
+    out = tmp_path / "gpu.json"
+    first = bringup.main(["--device", "cpu", "--tiny", "--models", "bidaf,san", "--out",
+                          str(out)])
+    cut = dict(first, models={"bidaf": dict(first["models"]["bidaf"], seconds=-1.0),
+                              "san": dict(first["models"]["san"], config_hash="stale")})
+    del cut["complete"]
+    out.write_text(json.dumps(cut))
+    result = bringup.main(["--device", "cpu", "--tiny", "--models", "bidaf,san,qanet",
+                           "--resume", "--out", str(out)])
+    assert result["complete"] and list(result["models"]) == ["bidaf", "san", "qanet"]
+    assert result["models"]["bidaf"]["seconds"] == -1.0  # kept
+    assert result["models"]["san"]["config_hash"] == first["models"]["san"]["config_hash"]
+    assert result["models"]["san"]["seconds"] >= 0 and "error" not in result["models"]["qanet"]
+    out.write_text(json.dumps(dict(cut, steps=5)))  # other settings: nothing is kept
+    again = bringup.main(["--device", "cpu", "--tiny", "--models", "bidaf", "--resume",
+                          "--out", str(out)])
+    assert again["models"]["bidaf"]["seconds"] >= 0
+
+
+def test_gpu_profile_times_and_profiles_a_step_tiny_on_cpu(tmp_path):
+    profiler = load_bringup("gpu_profile")
+    out = tmp_path / "profile.json"
+    result = profiler.main(["--device", "cpu", "--tiny", "--models", "qanet,nosuch", "--top",
+                            "5", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result)) and result["complete"]
+    qanet = result["models"]["qanet"]
+    assert qanet["wall_ms"] > 0 and qanet["kernel_ms"] == qanet["launches"] == 0  # no GPU
+    assert len(qanet["ops"]) == 5 and qanet["kernels"] == []
+    assert all(op["name"] and op["calls"] > 0 and op["ms"] >= 0 for op in qanet["ops"])
+    assert [op["ms"] for op in qanet["ops"]] == sorted((op["ms"] for op in qanet["ops"]),
+                                                       reverse=True)
+    assert "nosuch" in result["models"]["nosuch"]["error"]  # reported; the others still run
+
+
 def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
     """Every reader, counted and traced. No step reads the device back (issue 13): TorchDynamo
     breaks a graph at each ``.item()``, host read or data-dependent shape, so the only break a

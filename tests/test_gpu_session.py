@@ -44,12 +44,13 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     (paths["results"]).mkdir()
     common = [f"--{k}={paths[k]}" for k in ("runner", "inbox", "work", "results")]
     result = gs.main(["run", "--tiny", "--out", str(paths["out"]), "--minutes", "4",
-                      "--steps", "bringup,measure,compile,train", "--only", "tq/*",
+                      "--steps", "bringup,measure,profile,compile,train", "--only", "tq/*",
                       "--queue-file", q, "--profile", "smoke", "--travel", str(travel),
                       *common])
     states = {step["step"]: step["state"] for step in result["steps"]}
     assert states == {"data": states["data"], "inbox": "nothing to unpack", "bringup": "done",
-                      "measure": "done", "compile": "skipped", "train": "done"}, result
+                      "measure": "done", "profile": "done", "compile": "skipped",
+                      "train": "done"}, result
     back = [p for p in paths["out"].rglob("*") if p.is_file()]
     assert len(back) <= 8 and (paths["out"] / "session.tar").is_file()
     assert (paths["out"] / "b1" / "queue.json").is_file()
@@ -64,6 +65,8 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
                      f"--inbox={paths['inbox']}"])
     assert any(line.startswith("benchmark ") for line in lines)
     assert json.loads(next(paths["results"].glob("gpu_*.json")).read_text())["models"]["bidaf"]
+    profiled = json.loads(next(paths["results"].glob("profile_*.json")).read_text())
+    assert profiled["complete"] and profiled["models"]["bidaf"]["wall_ms"] > 0
     assert records.read_record(book / "tq" / "bidaf.json")["complete"]
     assert records.is_measurement(records.read_record(book / "07_comparison" / "speed.json"))
     assert "no partial run" in lines[-1] and not paths["inbox"].exists()
@@ -117,6 +120,33 @@ def test_bringup_runs_again_when_a_readers_config_changed(tmp_path):
     models["bidaf"]["config_hash"] = "another"
     path.write_text(json.dumps({"models": models, "complete": True}))
     assert gs.bringup_skip(s) is None
+
+
+def test_two_imports_in_one_second_keep_two_folders(tmp_path):
+    assert gs.unused(tmp_path / "t") == tmp_path / "t"
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t-2").mkdir()
+    assert gs.unused(tmp_path / "t") == tmp_path / "t-3"
+
+
+def test_a_cut_compile_step_goes_on_from_the_file_it_left(tmp_path):
+    """The compile step cut after QANet on an H200: the next command starts from that file
+    (``--resume``), so it compiles DynSAN instead of QANet again."""
+    results = tmp_path / "results"
+    results.mkdir()
+    s = session(tmp_path / "w", tiny=False, results=results)
+    (s.work / "results").mkdir()
+    step = next(step for step in gs.STEPS if step.name == "compile")
+    argv = step.argv(s, 180)
+    assert "--resume" in argv and not (s.work / "results" / "gpu_cpu_compile.json").exists()
+    cut = {"models": {"qanet": {"config_hash": "h"}}}
+    (results / "gpu_cpu_compile.json").write_text(json.dumps(cut))
+    assert step.skip(s) is None  # not whole
+    out = step.argv(s, 180)[step.argv(s, 180).index("--out") + 1]
+    assert json.loads(open(out).read()) == cut  # this command's file starts as the cut one
+    (s.work / "results" / "gpu_cpu_compile.json").write_text("{}")
+    assert json.loads(open(step.argv(s, 180)[-1]).read()) == {}  # its own, once written
+    assert "--resume" in gs.bringup_argv(s, 150)
 
 
 def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, monkeypatch):
