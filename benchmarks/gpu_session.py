@@ -65,7 +65,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib import queue, records  # noqa: E402
+from mrc_lib import book, queue, records  # noqa: E402
 from mrc_lib.errors import UserError  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
@@ -524,7 +524,8 @@ def unused(path: Path) -> Path:
 def import_session(args) -> list[str]:
     """``import``: keep what came back outside the repository, copy the benchmark files into
     ``benchmarks/results``, unpack the bundles into the runner folder, import its records into
-    ``book/runs`` and make ``runs/inbox`` the carry-over of the next session."""
+    ``book/runs`` (and rewrite ``book/full_runs.md`` from them) and make ``runs/inbox`` the
+    carry-over of the next session."""
     source = Path(args.source)
     keep = Path(args.keep) if args.keep else unused(ROOT.parent / "back" / datetime.now(
         UTC).strftime("%Y%m%dT%H%M%S"))
@@ -546,6 +547,7 @@ def import_session(args) -> list[str]:
     if bundles:
         names, left_out = queue.unpack(bundles, args.runner)
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
+        lines.append(f"page {book.write_full_runs(queue_file=args.queue_file)}")
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
         carry = summary.get("carry_mib", queue.CARRY_MIB)

@@ -201,12 +201,12 @@ def select(jobs: list[Job], patterns: list[str] | None) -> list[Job]:
 
 
 def record_of(job: Job, out: Path | None = None, profile: str = "full",
-              complete: bool = True) -> dict | None:
-    """The job's record of the same config, in ``book/runs`` or in ``out/records``: a finished
-    run's (``complete``), else the most advanced partial one."""
+              complete: bool = True, runs: Path | None = None) -> dict | None:
+    """The job's record of the same config, in ``runs`` (``book/runs``) or in
+    ``out/records``: a finished run's (``complete``), else the most advanced partial one."""
     config_hash = records.config_hash(job.config(profile).to_dict())
     found = []
-    for root in (records.BOOK_RUNS, *([out / "records"] if out else [])):
+    for root in (runs or records.BOOK_RUNS, *([out / "records"] if out else [])):
         path = records.record_path(job.entry.chapter, job.name, root)
         if path.exists():
             record = records.read_record(path)
@@ -226,16 +226,18 @@ def progress_of(job: Job, out: Path | None) -> dict | None:
         raise UserError(f"{path}: corrupt run status: {e}") from None
 
 
-def state_of(job: Job, out: Path | None, profile: str = "full") -> tuple[str, float]:
+def state_of(job: Job, out: Path | None, profile: str = "full",
+             runs: Path | None = None) -> tuple[str, float]:
     """``(done | partial | missing, fraction done)``: partial when the runner folder holds the
     run's checkpoint (it resumes) or a partial record says how far a GPU took it (it restarts:
-    the checkpoint stayed on that machine)."""
-    if record_of(job, out, profile) is not None:
+    the checkpoint stayed on that machine). Records are looked up in ``runs`` (``book/runs``)
+    and ``out``."""
+    if record_of(job, out, profile, runs=runs) is not None:
         return "done", 1.0
     status = progress_of(job, out)
     if status is not None:
         return "partial", min(status["fraction"], 0.99)
-    record = record_of(job, out, profile, complete=False)
+    record = record_of(job, out, profile, complete=False, runs=runs)
     if record is None:
         return "missing", 0.0
     return "partial", min(progress(record["steps"], record["epochs_run"], job.config(profile)),

@@ -8,13 +8,16 @@ from mrc_lib.book import (
     INSTALL_CELL_MARK,
     PAGE,
     RESULTS_DIR,
+    RUNS_PAGE,
     SMOKE_WARNING,
     format_cell,
     install_cell,
     label,
     markdown_table,
+    render_full_runs,
     render_reproductions,
     repository_url,
+    write_full_runs,
     write_install_cells,
     write_reproductions,
 )
@@ -227,3 +230,54 @@ def test_my_notebooks_are_valid_nbformat_with_cell_ids():
         ids = [c.get("id") for c in nb["cells"]]
         assert None not in ids and len(set(ids)) == len(ids), path.name
         nbformat.validate(nbformat.reads(path.read_text(), as_version=4))
+
+
+def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_path):
+    from mrc_lib import queue, records
+
+    from .test_queue import TINY, write_queue
+
+    q = write_queue(tmp_path, {"tq": [
+        {"run": "r_seed{seed}", "model": "bidaf", "seeds": [0, 1, 2, 3], "priority": 1,
+         "minutes": 10, "schedule": "tiny", "overrides": TINY}]})
+    jobs = {job.name: job for job in queue.load_queue(q)}
+    runs = tmp_path / "book" / "runs"
+
+    def record(run, config_hash, complete=True, profile="full", **extra):
+        body = {"schema": 1, "chapter": "tq", "run": run, "config": {"epochs": 2},
+                "config_hash": config_hash, "data_digests": {}, "history": [],
+                "device": "NVIDIA H200", "dev": {"exact_match": 60.0, "f1": 70.0},
+                "best_dev": {"exact_match": 61.0, "f1": 71.0}, "best_epoch": 1,
+                "epochs_run": 2 if complete else 1, "steps": 8, "complete": complete,
+                "profile": profile, "wall_seconds": 90.0, "peak_memory_bytes": 2**30, **extra}
+        records.write_record(runs / "tq" / f"{run}.json", body)
+
+    def current(name):
+        return records.config_hash(jobs[name].config().to_dict())
+
+    record("r_seed0", current("r_seed0"))
+    record("r_seed1", current("r_seed1"), complete=False)
+    record("r_seed2", "an earlier one")
+    record("probe", "h", profile="cpu")
+    records.write_record(runs / "ch" / "speed.json", {
+        "schema": 1, "kind": "measurement", "chapter": "ch", "run": "speed", "profile": "full",
+        "spec": {}, "spec_hash": "s", "device": "NVIDIA H200", "device_type": "cuda",
+        "torch": "2.11", "seconds": 4.2, "result": {}})
+    page = write_full_runs(runs, queue_file=q).read_text()
+    assert page == render_full_runs(runs, q) and "Do not edit it by hand" in page
+    # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.
+    assert "| tq | 4 | 1 | 1 | 2 | 25 |" in page
+    assert "| ch/speed | NVIDIA H200 | 2.11 | 4.2 |" in page
+    rows = {line.split(" | ")[0][2:]: line for line in page.splitlines()
+            if line.startswith("| r_") or line.startswith("| probe")}
+    assert rows["r_seed0"] == ("| r_seed0 | done | NVIDIA H200 | 2 of 2 | 60 | 70 | 1 | 61 | 71 "
+                               "| 1.5 | 1 |")
+    assert " | partial | " in rows["r_seed1"] and "| 1 of 2 |" in rows["r_seed1"]
+    assert " | done, earlier config: runs again | " in rows["r_seed2"]
+    assert " | done, not in the queue (profile cpu) | " in rows["probe"]
+    assert "Test" not in page  # no record has a test split
+
+
+def test_committed_full_runs_page_is_current():
+    assert RUNS_PAGE.read_text(encoding="utf-8") == render_full_runs(), (
+        "book/full_runs.md is stale: run `python -m mrc_lib.book runs` (an import does)")

@@ -62,8 +62,11 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     here = tmp_path / "here"
     lines = gs.main(["import", str(paths["out"]), "--keep", str(tmp_path / "keep"),
                      f"--results={paths['results']}", f"--runner={here}",
-                     f"--inbox={paths['inbox']}"])
+                     f"--inbox={paths['inbox']}", "--queue-file", q])
     assert any(line.startswith("benchmark ") for line in lines)
+    assert f"page {tmp_path / 'book' / 'full_runs.md'}" in lines
+    page = (tmp_path / "book" / "full_runs.md").read_text()  # a smoke run: not the full config
+    assert "| tq | 1 | 0 | 0 | 1 | 1 |" in page and "| bidaf | done, earlier config" in page
     assert json.loads(next(paths["results"].glob("gpu_*.json")).read_text())["models"]["bidaf"]
     profiled = json.loads(next(paths["results"].glob("profile_*.json")).read_text())
     assert profiled["complete"] and profiled["models"]["bidaf"]["wall_ms"] > 0
@@ -224,7 +227,8 @@ def test_plan_gives_each_queue_run_its_checkpoint_data_and_fate(mirror, tmp_path
                                                       "tq/wide": "stranded"}
     carry = runs["tq/long"]["carry_mib"]
     tree = gs.tree_mib(gs.INBOX)  # 64 MiB less the tree, what the import adds, and the data
-    assert 1 < carry and abs(carry - gs.carry_mib(runs["tq/long"]["travel_mib"], tree)) <= 0.1
+    assert 1 < carry and abs(carry - gs.carry_mib(runs["tq/long"]["travel_mib"], tree)) < 0.11
+    # (one 0.1 MiB step of the floor apart at most: the other worker's tests write files)
     assert runs["tq/long"]["checkpoint_mib"] < carry < runs["tq/wide"]["checkpoint_mib"]
     assert result["chapters"]["tq"] == {"runs": 3, "minutes": 44, "command": 1,
                                         "command_minutes": 4, "carried": 1,
