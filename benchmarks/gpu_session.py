@@ -547,7 +547,6 @@ def import_session(args) -> list[str]:
     if bundles:
         names, left_out = queue.unpack(bundles, args.runner)
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
-        lines.append(f"page {book.write_full_runs(queue_file=args.queue_file)}")
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
         carry = summary.get("carry_mib", queue.CARRY_MIB)
@@ -559,7 +558,8 @@ def import_session(args) -> list[str]:
         else:
             shutil.rmtree(args.inbox)
             lines.append(f"no partial run: no carry-over ({args.inbox} removed)")
-    return lines
+    page = book.write_full_runs(queue_file=args.queue_file, results_dir=results)
+    return [*lines, f"page {page}: commit it"]
 
 
 def main(argv=None):

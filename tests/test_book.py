@@ -263,8 +263,22 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
         "schema": 1, "kind": "measurement", "chapter": "ch", "run": "speed", "profile": "full",
         "spec": {}, "spec_hash": "s", "device": "NVIDIA H200", "device_type": "cuda",
         "torch": "2.11", "seconds": 4.2, "result": {}})
-    page = write_full_runs(runs, queue_file=q).read_text()
-    assert page == render_full_runs(runs, q) and "Do not edit it by hand" in page
+    results = tmp_path / "results"
+    results.mkdir()
+    bidaf = {"batch_size": 60, "bf16": False, "peak_memory_bytes": 2**31,
+             "config_hash": current("r_seed0"),  # the queue's overrides: not the profile's
+             "speed": {"400": {"epoch_seconds": 46.9, "train_examples_per_s": 1866.5}}}
+    (results / "gpu_x.json").write_text(json.dumps({"device": "X", "models": {
+        "bidaf": bidaf, "qanet": {"error": "OutOfMemoryError"}}}))
+    (results / "gpu_x_compile.json").write_text(json.dumps({"device": "X", "models": {
+        "bidaf": {"speed": {"140": {"epoch_seconds": 30.0}, "400": {"epoch_seconds": 40.0}}}}}))
+    (results / "gpu_cpu.json").write_text(json.dumps({"device": "cpu", "tiny": True,
+                                                      "models": {"bidaf": bidaf}}))
+    page = write_full_runs(runs, queue_file=q, results_dir=results).read_text()
+    assert page == render_full_runs(runs, q, results) and "Do not edit it by hand" in page
+    # Eager and compiled at 400 tokens; no CUDA graphs file; a failed reader and --tiny left out.
+    assert "| bidaf | X | 60 | no | 46.9 | 40 | — | 1866 | 2 | earlier |" in page
+    assert "| qanet | X" not in page and "| cpu |" not in page
     # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.
     assert "| tq | 4 | 1 | 1 | 2 | 25 |" in page
     assert "| ch/speed | NVIDIA H200 | 2.11 | 4.2 |" in page
@@ -276,6 +290,16 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     assert " | done, earlier config: runs again | " in rows["r_seed2"]
     assert " | done, not in the queue (profile cpu) | " in rows["probe"]
     assert "Test" not in page  # no record has a test split
+
+
+def test_full_runs_page_without_records_or_benchmarks(tmp_path):
+    from .test_queue import TINY, write_queue
+
+    q = write_queue(tmp_path, {"tq": [{"run": "r", "model": "bidaf", "priority": 1,
+                                       "minutes": 3, "schedule": "tiny", "overrides": TINY}]})
+    page = render_full_runs(tmp_path / "runs", q, tmp_path / "results")
+    assert "| tq | 1 | 0 | 0 | 1 | 3 |" in page
+    assert "Training speed" not in page and "Measurements" not in page and "## " not in page
 
 
 def test_committed_full_runs_page_is_current():

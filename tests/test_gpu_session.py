@@ -64,7 +64,7 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
                      f"--results={paths['results']}", f"--runner={here}",
                      f"--inbox={paths['inbox']}", "--queue-file", q])
     assert any(line.startswith("benchmark ") for line in lines)
-    assert f"page {tmp_path / 'book' / 'full_runs.md'}" in lines
+    assert lines[-1] == f"page {tmp_path / 'book' / 'full_runs.md'}: commit it"
     page = (tmp_path / "book" / "full_runs.md").read_text()  # a smoke run: not the full config
     assert "| tq | 1 | 0 | 0 | 1 | 1 |" in page and "| bidaf | done, earlier config" in page
     assert json.loads(next(paths["results"].glob("gpu_*.json")).read_text())["models"]["bidaf"]
@@ -72,7 +72,7 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     assert profiled["complete"] and profiled["models"]["bidaf"]["wall_ms"] > 0
     assert records.read_record(book / "tq" / "bidaf.json")["complete"]
     assert records.is_measurement(records.read_record(book / "07_comparison" / "speed.json"))
-    assert "no partial run" in lines[-1] and not paths["inbox"].exists()
+    assert "no partial run" in lines[-2] and not paths["inbox"].exists()
 
 
 def session(tmp_path, minutes: float = 1.0, tiny: bool = True, results=None,
@@ -170,7 +170,7 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
     lines = gs.main(["import", str(out), "--keep", str(tmp_path / "keep"),
                      f"--results={tmp_path}", f"--runner={tmp_path / 'here'}",
                      f"--inbox={inbox}"])
-    assert lines[1] == "  train: done" and lines[-1].startswith("carry-over")
+    assert lines[1] == "  train: done" and lines[-2].startswith("carry-over")
     assert (tmp_path / "here" / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
     back = tmp_path / "back"
     gs.queue.unpack([inbox / "1"], back)  # what the next session starts from
