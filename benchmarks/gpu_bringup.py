@@ -43,8 +43,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mrc_lib import records  # noqa: E402
-from mrc_lib.bench import SQUAD_TRAIN_EXAMPLES, full_readers, setup, time_steps  # noqa: E402
-from mrc_lib.config import CHOICES, resolve_config  # noqa: E402
+from mrc_lib.bench import (  # noqa: E402
+    SQUAD_TRAIN_EXAMPLES,
+    full_readers,
+    overrides,
+    reader_hash,
+    setup,
+    time_steps,
+)
+from mrc_lib.config import CHOICES  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     compiled,
     count_parameters,
@@ -72,12 +79,6 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
     return {"first_step_seconds": round(first_step, 2), "train_examples_per_s": round(rate, 1),
             "infer_examples_per_s": round(steps * cfg.batch_size / infer_s, 1),
             "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
-
-
-def overrides(device: str, tiny: bool, compile_mode: str | None) -> list[str]:
-    """The config keys a measurement sets over its profile's."""
-    keys = [f"device={device}"] + (["batch_size=2"] if tiny else [])
-    return keys + (["compile=true", f"compile_mode={compile_mode}"] if compile_mode else [])
 
 
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
@@ -112,11 +113,11 @@ def kept(out: Path, results: dict, device: str) -> dict:
     earlier = json.loads(out.read_text(encoding="utf-8"))
     if any(earlier.get(key) != results[key] for key in SETTINGS):
         return {}
-    mode = results["compile_mode"]
+    profile = "smoke" if results["tiny"] else "full"
+    keys = overrides(device, results["tiny"], results["compile_mode"])
     return {name: entry for name, entry in earlier.get("models", {}).items()
-            if "error" not in entry and entry.get("config_hash") == records.config_hash(
-                resolve_config(name, profile="smoke" if results["tiny"] else "full",
-                               overrides=overrides(device, results["tiny"], mode)).to_dict())}
+            if "error" not in entry
+            and entry.get("config_hash") == reader_hash(name, profile, keys)}
 
 
 def main(argv=None) -> dict:

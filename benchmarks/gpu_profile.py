@@ -39,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib.bench import _seconds, setup  # noqa: E402
+from mrc_lib.bench import _seconds, overrides, setup  # noqa: E402
 from mrc_lib.train import device_name, resolve_device, train_step  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
@@ -55,8 +55,7 @@ def table(entries, time: str, steps: int, top: int) -> list[dict]:
 
 def measure(name: str, device: str, seq_len: int, steps: int, tiny: bool, top: int) -> dict:
     """One reader's step, timed, then profiled."""
-    overrides = [f"device={device}"] + (["batch_size=2"] if tiny else [])
-    s = setup(name, "smoke" if tiny else "full", overrides, 2_000 if tiny else None)
+    s = setup(name, "smoke" if tiny else "full", overrides(device, tiny), 2_000 if tiny else None)
     batch, dev = s.batch(seq_len), s.device
 
     def step():

@@ -65,7 +65,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib import book, queue, records  # noqa: E402
+from mrc_lib import book, queue  # noqa: E402
 from mrc_lib.errors import UserError  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
@@ -143,15 +143,13 @@ class Step:
 
 
 def bringup_skip(s: Session) -> str | None:
-    from mrc_lib.bench import full_readers
-    from mrc_lib.config import resolve_config
+    from mrc_lib.bench import full_readers, reader_hash
 
     found = s.on_file("gpu_{device}.json")
     if s.tiny or found is None or not found.get("complete"):
         return None
     stale = [name for name in full_readers()
-             if found["models"].get(name, {}).get("config_hash")
-             != records.config_hash(resolve_config(name, profile="full").to_dict())]
+             if found["models"].get(name, {}).get("config_hash") != reader_hash(name)]
     return None if stale else "every reader's bring-up matches its config"
 
 

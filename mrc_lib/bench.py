@@ -172,6 +172,22 @@ def full_readers() -> list[str]:
     return names
 
 
+def overrides(device: str, tiny: bool = False, compile_mode: str | None = None) -> list[str]:
+    """The config keys a GPU benchmark sets over its profile's: the device, batches of 2 for a
+    ``tiny`` check, and ``torch.compile`` in ``compile_mode``."""
+    keys = [f"device={device}"] + (["batch_size=2"] if tiny else [])
+    return keys + (["compile=true", f"compile_mode={compile_mode}"] if compile_mode else [])
+
+
+def reader_hash(model_name: str, profile: str = "full", overrides: Sequence[str] = ()) -> str:
+    """The config hash of reader ``model_name`` as :func:`setup` configures it: what a
+    bring-up entry records, to tell whether the reader has changed since."""
+    from mrc_lib.records import config_hash
+
+    return config_hash(resolve_config(model_name, profile=profile,
+                                      overrides=list(overrides)).to_dict())
+
+
 def setup(model_name: str, profile: str = "full", overrides: Sequence[str] = (),
           vocab_size: int | None = None) -> Setup:
     """Reader ``model_name`` with ``profile``'s hyperparameters (and ``overrides``), seeded,
