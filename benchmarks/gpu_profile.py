@@ -1,7 +1,7 @@
 """Where a reader's training step spends its time: the GPU's kernels, by operator, against the
 step's wall time.
 
-    python benchmarks/gpu_profile.py                      # QANet and DynSAN on CUDA
+    python benchmarks/gpu_profile.py                      # QANet, DynSAN, PhaseCond on CUDA
     python benchmarks/gpu_profile.py --models qanet --seq-len 140
     python benchmarks/gpu_profile.py --device cpu --tiny  # the script's own check (CI)
 
@@ -17,7 +17,12 @@ of ``--seq-len`` context tokens (:mod:`mrc_lib.bench`), after warm-up steps:
   is bound by its kernels, named next;
 * ``ops``: the operators with the most kernel time (``top`` of them; on a CPU, the most CPU
   time), each with its calls and milliseconds per step, and ``kernels``, the slowest kernels by
-  name.
+  name;
+* for a step that waits on the host: ``host_ms``, the time the host spent inside operators
+  (their own CPU time, launches included, summed; the profiler's overhead inflates it),
+  ``host_ops``, the operators with the most of it, and ``syncs``, the CUDA runtime calls per
+  step that can hold the host until the GPU has caught up (stream, event and device
+  synchronisations, memory copies: ``.item()`` is a copy and a synchronisation), by name.
 
 A reader that fails is reported with its error and the others still run. The result goes to
 ``benchmarks/results/profile_<device>.json`` (or ``--out``), rewritten after each reader and
@@ -44,6 +49,9 @@ from mrc_lib.train import device_name, resolve_device, train_step  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+# CUDA runtime calls that can hold the host until the GPU has caught up.
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 
 
 def table(entries, time: str, steps: int, top: int) -> list[dict]:
@@ -75,20 +83,24 @@ def measure(name: str, device: str, seq_len: int, steps: int, tiny: bool, top: i
     ops = [e for e in events if e.device_type == DeviceType.CPU]
     on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]
     kernel = sum(e.self_device_time_total for e in ops) / steps / 1e3
+    host = sum(e.self_cpu_time_total for e in ops) / steps / 1e3
     by = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
     return {"batch_size": s.cfg.batch_size, "seq_len": seq_len, "bf16": s.cfg.bf16 and
             dev.type == "cuda", "wall_ms": round(wall, 3), "kernel_ms": round(kernel, 3),
             "busy": round(kernel / wall, 3),
             "launches": round(sum(e.count for e in ops if e.key in LAUNCHES) / steps, 1),
             "ops": table(ops, by, steps, top),
-            "kernels": table(on_gpu, "self_device_time_total", steps, top)}
+            "kernels": table(on_gpu, "self_device_time_total", steps, top),
+            "host_ms": round(host, 3), "host_ops": table(ops, "self_cpu_time_total", steps, top),
+            "syncs": {e.key: round(e.count / steps, 2) for e in ops
+                      if e.key.startswith(SYNCS)}}
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="smoke-size readers: checks the script")
-    p.add_argument("--models", default="qanet,dynsan", help="comma-separated")
+    p.add_argument("--models", default="qanet,dynsan,phasecond", help="comma-separated")
     p.add_argument("--seq-len", type=int, default=400, help="context tokens")
     p.add_argument("--steps", type=int, default=5, help="steps timed, then profiled")
     p.add_argument("--top", type=int, default=15, help="operators and kernels listed")
