@@ -16,7 +16,10 @@ the time on what is still missing for this GPU, in this order:
 Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
 and ``session.json``, one entry per step) and the runner folder's bundle 1, ``b1``: every
 record, measurements included, and the partial runs that the next session can resume. A step is
-skipped when its result is already on file for this GPU, whole; ``bringup`` and the compile
+skipped when its result is already on file for this GPU, whole, and ``packing``, ``profile``
+and the compile steps also when it is for another GPU on the same chip
+(:data:`mrc_lib.queue.CHIPS`: the H100 and the H200 are both GH100, so an H100's first session
+trains after its bring-up where the H200 measured the rest); ``bringup`` and the compile
 steps go on from a file that a cut left without ``"complete": true`` (its readers are kept,
 the others measured). A step that fails or runs out of time is named in ``session.json``,
 and the next step still runs.
@@ -127,6 +130,15 @@ class Session:
                 return json.loads(path.read_text(encoding="utf-8"))
         return None
 
+    def on_chip(self, name: str) -> dict | None:
+        """Benchmark file ``name`` of this device (:meth:`on_file`), else one on file for
+        another GPU on its chip (:data:`mrc_lib.queue.CHIPS`)."""
+        for folder in (self.work / "results", self.results):
+            path = queue.chip_file(folder, name, self.device)
+            if path is not None:
+                return json.loads(path.read_text(encoding="utf-8"))
+        return None
+
     def left(self) -> float:
         return self.deadline - time.time()
 
@@ -176,9 +188,18 @@ def measure_argv(s: Session, budget: float) -> list[str]:
     return [PY, "-m", "mrc_lib", "measure", "--out", str(s.args.runner), *(tiny if s.tiny else [])]
 
 
+def chip_skip(s: Session, name: str) -> str | None:
+    """Why a step whose file ``name`` holds for every GPU on a chip is not needed: that file
+    is on file, whole, for this GPU or another on its chip."""
+    found = s.on_chip(name)
+    if s.tiny or found is None or not found.get("complete"):
+        return None
+    device = found.get("device")
+    return "on file" if device == s.device else f"on file for the {device} (the same chip)"
+
+
 def packing_skip(s: Session) -> str | None:
-    found = s.on_file("packing_{device}.json")
-    return "on file" if found and found.get("complete") and not s.tiny else None
+    return chip_skip(s, "packing_{device}.json")
 
 
 def packing_argv(s: Session, budget: float) -> list[str]:
@@ -189,8 +210,7 @@ def packing_argv(s: Session, budget: float) -> list[str]:
 
 
 def profile_skip(s: Session) -> str | None:
-    found = s.on_file("profile_{device}.json")
-    return "on file" if found and found.get("complete") and not s.tiny else None
+    return chip_skip(s, "profile_{device}.json")
 
 
 def profile_argv(s: Session, budget: float) -> list[str]:
@@ -201,8 +221,7 @@ def profile_argv(s: Session, budget: float) -> list[str]:
 
 def compile_step(name: str, mode: str, file: str) -> Step:
     def skip(s: Session) -> str | None:
-        found = s.on_file(file)
-        return "CUDA only" if s.tiny else "on file" if found and found.get("complete") else None
+        return "CUDA only" if s.tiny else chip_skip(s, file)
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
@@ -221,10 +240,11 @@ def train_skip(s: Session) -> str | None:
 
 
 def parallel(s: Session) -> int:
-    """``--parallel``, else what the packing benchmark recommends for this GPU, else 2."""
+    """``--parallel``, else what the packing benchmark recommends for this GPU (or one on its
+    chip), else 2."""
     if s.args.parallel:
         return s.args.parallel
-    found = s.on_file("packing_{device}.json")
+    found = s.on_chip("packing_{device}.json")
     return int(found["recommended_parallel"]) if found and not s.tiny and \
         found.get("recommended_parallel") else 2
 

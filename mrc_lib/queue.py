@@ -465,18 +465,38 @@ def _vocab(cfg):
     return _VOCABS[key]
 
 
+# GPUs on one chip. How training processes share the chip (benchmarks/gpu_packing.py) and
+# where a step's time goes (gpu_profile.py, the compile steps' choice) hold for each of them:
+# the H100 SXM and the H200 are both GH100 (132 SMs, the same kernels) and differ in memory
+# (80 GB of HBM3 at 3.35 TB/s against 141 GB of HBM3e at 4.8 TB/s). Their names as CUDA gives.
+CHIPS = {"GH100": ("NVIDIA H100 80GB HBM3", "NVIDIA H200")}
+
+
+def chip_file(folder: Path, pattern: str, device: str) -> Path | None:
+    """``folder``'s file ``pattern`` (``{device}`` standing for the device's slug) for
+    ``device``, else for another GPU on its chip (:data:`CHIPS`); ``None`` if neither."""
+    mates = next((names for names in CHIPS.values() if device in names), ())
+    for name in (device, *(mate for mate in mates if mate != device)):
+        path = folder / pattern.format(device=slug(name))
+        if path.is_file():
+            return path
+    return None
+
+
 def measured_parallel(results: Path = PACKING_RESULTS) -> int:
     """``--parallel auto``: the process count that ``benchmarks/gpu_packing.py`` recommends
-    for this machine's GPU (``recommended_parallel`` in ``packing_<device>.json``)."""
+    for this machine's GPU, or one on its chip (``recommended_parallel`` in
+    ``packing_<device>.json``)."""
     import torch
 
     if not torch.cuda.is_available():
         raise UserError("--parallel auto reads the packing benchmark of this machine's GPU, "
                         "and there is no GPU: give --parallel N")
-    path = results / f"packing_{slug(torch.cuda.get_device_name())}.json"
-    if not path.exists():
-        raise UserError(f"--parallel auto: no {path}; run benchmarks/gpu_packing.py on this "
-                        "GPU first, or give --parallel N")
+    device = torch.cuda.get_device_name()
+    path = chip_file(results, "packing_{device}.json", device)
+    if path is None:
+        raise UserError(f"--parallel auto: no {results / f'packing_{slug(device)}.json'}; run "
+                        "benchmarks/gpu_packing.py on this GPU first, or give --parallel N")
     parallel = json.loads(path.read_text()).get("recommended_parallel")
     if not parallel:
         raise UserError(f"{path}: no recommended_parallel (did every measurement fail?)")
@@ -805,7 +825,7 @@ def add_parser(sub) -> None:
     s.add_argument("--minutes", type=float, default=9.0, help="wall-clock budget of `run`")
     s.add_argument("--parallel", type=parallel_count, default=1,
                    help="concurrent worker processes, or auto: as many as "
-                   "benchmarks/gpu_packing.py found fastest on this GPU")
+                   "benchmarks/gpu_packing.py found fastest on this GPU or one on its chip")
     s.add_argument("--only", action="append", metavar="GLOB",
                    help="only the runs whose <chapter>/<run> matches (repeatable)")
     s.add_argument("--inbox", default=None, metavar="DEST",

@@ -125,6 +125,36 @@ def test_bringup_runs_again_when_a_readers_config_changed(tmp_path):
     assert gs.bringup_skip(s) is None
 
 
+def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_path):
+    """The H100 and the H200 are one chip (GH100): what the H200 measured of packing, the
+    profile and compiling is not measured again on an H100 (its bring-up is), and the H200's
+    recommended process count serves it; a cut file of the other GPU does not count."""
+    results = tmp_path / "results"
+    results.mkdir()
+    args = Namespace(tiny=False, runner=None, started="now", minutes=1.0, only=None,
+                     parallel=None)
+    s = gs.Session(args, "NVIDIA H100 80GB HBM3", tmp_path / "w", results, time.time() + 60)
+    steps = {step.name: step for step in gs.STEPS}
+    names = {"packing": "packing_nvidia_h200.json", "profile": "profile_nvidia_h200.json",
+             "compile": "gpu_nvidia_h200_compile.json",
+             "compile_ro": "gpu_nvidia_h200_compile_reduce_overhead.json"}
+    for step, name in names.items():
+        assert steps[step].skip(s) is None
+        (results / name).write_text(json.dumps({"device": "NVIDIA H200"}))  # cut: not whole
+        assert steps[step].skip(s) is None
+        (results / name).write_text(json.dumps({"device": "NVIDIA H200", "complete": True,
+                                                "recommended_parallel": 3}))
+        assert steps[step].skip(s) == "on file for the NVIDIA H200 (the same chip)"
+    assert gs.parallel(s) == 3
+    (results / "packing_nvidia_h100_80gb_hbm3.json").write_text(json.dumps(
+        {"device": s.device, "complete": True, "recommended_parallel": 5}))
+    assert steps["packing"].skip(s) == "on file" and gs.parallel(s) == 5  # its own first
+    (results / "gpu_nvidia_h200.json").write_text(json.dumps({"complete": True, "models": {}}))
+    assert gs.bringup_skip(s) is None  # the bring-up is per GPU
+    other = gs.Session(args, "NVIDIA A100-SXM4-80GB", tmp_path / "w", results, time.time())
+    assert steps["packing"].skip(other) is None  # another chip
+
+
 def test_two_imports_in_one_second_keep_two_folders(tmp_path):
     assert gs.unused(tmp_path / "t") == tmp_path / "t"
     (tmp_path / "t").mkdir()

@@ -360,7 +360,10 @@ def test_parallel_auto_reads_the_packing_benchmark_of_this_gpu(tmp_path, monkeyp
     path = tmp_path / "packing_nvidia_h100_80gb_hbm3.json"
     with pytest.raises(UserError, match="gpu_packing.py"):
         queue.measured_parallel(tmp_path)
-    path.write_text(json.dumps({"recommended_parallel": None}))
+    mate = tmp_path / "packing_nvidia_h200.json"  # the same chip (GH100): its file serves
+    mate.write_text(json.dumps({"recommended_parallel": 3}))
+    assert queue.measured_parallel(tmp_path) == 3
+    path.write_text(json.dumps({"recommended_parallel": None}))  # the GPU's own comes first
     with pytest.raises(UserError, match="no recommended_parallel"):
         queue.measured_parallel(tmp_path)
     path.write_text(json.dumps({"recommended_parallel": 6}))
