@@ -33,12 +33,17 @@ and the next step still runs.
 notes the cache files that the loading reads, and writes them, with the texts that evaluation
 reads, to ``.devcache/travel.tar.xz``. SQuAD's training texts stay behind (training never
 reads them) unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds
-that from them. ``run`` unpacks that file into a cache of its own. A command carries 64 MiB:
-the tree, that file, and the last session's carry-over; what the tree (as measured by
-``prepare``, plus :data:`GROWTH_MIB` for the records the import adds) and the data leave is the
-carry-over this session sends on (:func:`carry_mib`, written to ``.devcache/travel.json``,
-which travels with the data), so its ``queue run`` starts a run that will be cut only while
-its checkpoint fits (``--carry-mib``). ``plan``
+that from them. ``run`` unpacks that file into a cache of its own. A call carries 64 MiB,
+the tree included. ``prepare`` also moves the last session's carry-over, committed in
+``runs/inbox``, out of the tree to ``.devcache/inbox``, and names the calls (:func:`calls_for`):
+one carrying the data and the carry-over where both fit beside the tree, else a first call
+carrying the data alone (command ``true``) and the command's call carrying the carry-over; the
+warm machine keeps the data between the two. So what one call carries beside the tree (as
+measured by ``prepare``, plus :data:`GROWTH_MIB` for the records the import adds) is the
+carry-over this session may send on (:func:`carry_mib`, written to ``.devcache/travel.json``,
+which travels with the data), and its ``queue run`` starts a run that will be cut only while
+its checkpoint fits (``--carry-mib``). Import puts the next carry-over in ``runs/inbox``, or
+the one it was sent back there if nothing came back. ``plan``
 writes every queue run's checkpoint, data and fate under those limits to
 ``benchmarks/results/session_plan.json``. ``--tiny`` is the script's own check (CI): small
 readers, the smoke profile, seconds per step.
@@ -77,6 +82,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 TRAVEL = ROOT / ".devcache" / "travel.tar.xz"
 RUNNER = ROOT / "runs" / "queue"
 INBOX = ROOT / "runs" / "inbox"
+# Where prepare moves the committed carry-over, out of the tree, to carry it as a path of its
+# own: in the command's call, while the data went in a call before it (calls_for).
+STAGED = ROOT / ".devcache" / "inbox"
 WORK = ROOT / "runs" / "session"
 TRAVEL_MIB = 64  # what a command may carry: the tree, the data and the carry-over
 # Kept beside the tree for what a session's import adds to it (records, benchmark files)
@@ -352,7 +360,9 @@ def session(args) -> dict:
             s.env["MRC_CACHE_DIR"] = str(work / "cache")
             s.log.append({"step": "data",
                           "state": unpack_travel(Path(args.travel), work / "cache")})
-        restored = queue.restore(args.runner, args.inbox, log=lambda line: None)
+        staged = Path(args.staged)
+        inbox = staged if staged.is_dir() and any(staged.rglob("queue.json")) else args.inbox
+        restored = queue.restore(args.runner, inbox, log=lambda line: None)
         s.log.append({"step": "inbox", "state": "unpacked" if restored else "nothing to unpack"})
     except Exception as e:  # noqa: BLE001 (named in session.json)
         s.log.append({"step": "data and inbox", "state": f"failed: {type(e).__name__}: {e}"})
@@ -446,11 +456,45 @@ def stored(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def carry_mib(travel_mib: float, tree: float) -> float:
-    """The MiB of runner folder that a session whose data file weighs ``travel_mib`` sends on
-    to the next (bundle 1): what a command carries, less the tree (``tree`` MiB now, and
-    :data:`GROWTH_MIB` for what this session's import adds) and the data."""
-    return math.floor(10 * (TRAVEL_MIB - tree - GROWTH_MIB - travel_mib)) / 10
+def carry_mib(tree: float) -> float:
+    """The MiB of runner folder that a session sends on to the next (bundle 1): what one call
+    carries, less the tree (``tree`` MiB now, and :data:`GROWTH_MIB` for what this session's
+    import adds). The data need not fit beside it: where the two do not fit one call, the data
+    goes to the warm machine in a call of its own first (:func:`calls_for`)."""
+    mib = math.floor(10 * (TRAVEL_MIB - tree - GROWTH_MIB)) / 10
+    return min(mib, queue.PACK_BUDGET / 2**20)  # and what comes back from one command
+
+
+def calls_for(travel: Path, travel_mib: float, staged: Path, staged_mib: float,
+              tree: float) -> list[list[str]]:
+    """The device tool's calls of a session, as the ``carry`` list of each: one, with the data
+    (``travel`` and its :func:`travel_info`) and the carry-over ``staged`` (if any), where
+    both fit beside the tree; else the data alone, then the carry-over with the command. A
+    warm machine keeps what an earlier call carried (a path that a call does not name)."""
+    data = [rel(travel), rel(travel_info(travel))]
+    if staged_mib == 0:
+        return [data]
+    if tree + travel_mib + staged_mib <= TRAVEL_MIB:
+        return [data + [rel(staged)]]
+    return [data, [rel(staged)]]
+
+
+def rel(path: Path) -> str:
+    """``path`` as the device tool's ``carry`` names it: from the repository's root."""
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def stage_inbox(inbox: Path, staged: Path) -> float:
+    """Move the committed carry-over ``inbox`` out of the tree to ``staged`` (replacing what
+    an earlier prepare left there), where a call carries it as a path of its own; return its
+    MiB (0: none). Import puts the next carry-over in ``inbox`` again, or this one back."""
+    if inbox.is_dir() and any(inbox.rglob("queue.json")):
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(inbox, staged)
+    files = [p for p in staged.rglob("*") if p.is_file()] if staged.is_dir() else []
+    return sum(p.stat().st_size for p in files) / 2**20
 
 
 def travel_info(travel: Path) -> Path:
@@ -467,15 +511,22 @@ def prepare(args) -> Path:
     travel = Path(args.travel)
     mib = write_travel(jobs, travel)
     tree = tree_mib(args.inbox)
-    carry = carry_mib(mib, tree)
+    carry = carry_mib(tree)
+    staged = stage_inbox(args.inbox, Path(args.staged))
+    calls = calls_for(travel, mib, Path(args.staged), staged, tree)
     atomic_write_json(travel_info(travel), {"travel_mib": round(mib, 2), "tree_mib": round(
-        tree, 2), "growth_mib": GROWTH_MIB, "carry_mib": carry, "only": args.only})
-    print(f"{travel} and {travel_info(travel).name}: {mib:.1f} MiB (carry both); the tree "
-          f"{tree:.1f} MiB without {args.inbox.name}, and {GROWTH_MIB:g} for the records "
-          f"the import adds; the carry-over at most {carry:g} MiB; {TRAVEL_MIB} MiB in all")
-    if carry < 1:
-        raise UserError(f"{travel}: {mib:.1f} MiB of data leaves no carry-over: select runs "
-                        "of fewer datasets with --only")
+        tree, 2), "growth_mib": GROWTH_MIB, "carry_mib": carry, "staged_mib": round(staged, 2),
+        "calls": calls, "only": args.only})
+    print(f"{travel} and {travel_info(travel).name}: {mib:.1f} MiB; the carry-over "
+          f"{staged:.1f} MiB ({args.staged}); the tree {tree:.1f} MiB without them, and "
+          f"{GROWTH_MIB:g} for the records the import adds; {TRAVEL_MIB} MiB a call; this "
+          f"session sends on at most {carry:g} MiB")
+    if tree + mib > TRAVEL_MIB:
+        raise UserError(f"{travel}: {mib:.1f} MiB of data does not fit a call beside the "
+                        f"{tree:.1f} MiB tree: select runs of fewer datasets with --only")
+    for k, carried in enumerate(calls, 1):
+        what = "the command" if k == len(calls) else "a call before it (command: true)"
+        print(f"call {k} of {len(calls)}, {what}: carry {json.dumps(carried)}")
     for job, size in queue.stranded(jobs, carry, args.profile):
         print(f"never started: {job.key} (~{job.entry.minutes:g} min, longer than a command; "
               f"its {size / 2**20:.1f} MiB checkpoint does not fit the carry-over)")
@@ -502,9 +553,9 @@ def plan(args) -> dict:
     runs, chapters = {}, {}
     scratch = Path(args.work) / "plan.tar.xz"
     tree = tree_mib(args.inbox)
+    carry = carry_mib(tree)
     for group in groups.values():
         mib = write_travel(group, scratch, log=lambda line: None)
-        carry = carry_mib(mib, tree)
         for job in group:
             size = queue.checkpoint_size(job, args.profile)
             fate = queue.fate(job, size, carry)
@@ -529,10 +580,11 @@ def plan(args) -> dict:
 
 
 FATES = ("each queue run's estimated H100 minutes; its checkpoint's MiB; the MiB of its data "
-         "file alone (prepare); the carry-over that leaves beside the tree; and its fate in "
-         "sessions of one command: command (it ends within one), carried (it is longer and "
-         "its checkpoint fits the carry-over: it resumes from session to session) or stranded "
-         "(neither: a session never starts it)")
+         "file alone (prepare); the carry-over, what one call carries beside the tree (the "
+         "data goes to the warm machine in a call of its own where the two do not fit one); "
+         "and its fate in sessions of one command: command (it ends within one), carried (it "
+         "is longer and its checkpoint fits the carry-over: it resumes from session to "
+         "session) or stranded (neither: a session never starts it)")
 
 
 def unused(path: Path) -> Path:
@@ -566,6 +618,10 @@ def import_session(args) -> list[str]:
         shutil.copyfile(path, results / path.name)
         lines.append(f"benchmark {results / path.name}")
     bundles = sorted(keep.glob("b[0-9]*"))
+    staged = Path(args.staged)
+    if not bundles and staged.is_dir() and not args.inbox.exists():
+        shutil.move(staged, args.inbox)  # nothing came back: the carry-over sent still holds
+        lines.append(f"no bundle came back: {args.inbox} is the carry-over that was sent")
     if bundles:
         names, left_out = queue.unpack(bundles, args.runner)
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
@@ -575,6 +631,7 @@ def import_session(args) -> list[str]:
         # The partial runs alone: book/runs, which travels with the tree, has every record.
         kept = queue.carry_over(args.runner, args.inbox / "1", int(carry * 2**20),
                                 records=False)[0]
+        shutil.rmtree(staged, ignore_errors=True)  # the carry-over it was sent is spent
         if kept:
             lines.append(f"carry-over {args.inbox / '1'}: commit it")
         else:
@@ -608,6 +665,7 @@ def main(argv=None):
     p.add_argument("--results", default=str(RESULTS), help=argparse.SUPPRESS)
     p.add_argument("--runner", type=Path, default=RUNNER, help=argparse.SUPPRESS)
     p.add_argument("--inbox", type=Path, default=INBOX, help=argparse.SUPPRESS)
+    p.add_argument("--staged", type=Path, default=STAGED, help=argparse.SUPPRESS)
     p.add_argument("--work", default=str(WORK), help=argparse.SUPPRESS)
     p.add_argument("--plan", default=str(queue.PLAN), help="plan: where it goes")
     args = p.parse_args(argv)

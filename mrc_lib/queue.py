@@ -67,8 +67,8 @@ PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
 COMMAND_MINUTES = 9.0  # the most one GPU command trains (10 minutes, less start and pack)
 # What one command's runner folder may carry on to the next GPU session's (bundle 1) where its
-# data is not carried: a session with a data file takes 64 MiB less the tree and the data
-# (benchmarks/gpu_session.py carry_mib: 31.7 to 42.4 MiB beside one chapter's data).
+# data is not carried: a session with a data file takes what one call carries beside the tree
+# (benchmarks/gpu_session.py carry_mib: 56 MiB, the data going in a call of its own).
 CARRY_MIB = 29
 LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
 

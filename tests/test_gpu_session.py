@@ -24,25 +24,26 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     q = write_queue(tmp_path, {"tq": [{"run": "bidaf", "model": "bidaf", "priority": 1,
                                        "minutes": 1, "schedule": "tiny", "overrides": TINY}]})
     travel = tmp_path / "travel.tar.xz"
-    gs.main(["prepare", "--only", "tq/*", "--queue-file", q, "--travel", str(travel)])
+    paths = {k: tmp_path / k for k in ("runner", "inbox", "staged", "work", "results", "out")}
+    gs.main(["prepare", "--only", "tq/*", "--queue-file", q, "--travel", str(travel),
+             f"--inbox={paths['inbox']}", f"--staged={paths['staged']}"])
     with tarfile.open(travel) as tar:
         names = tar.getnames()
     assert {n.rsplit("/", 1)[1] for n in names} >= {"meta.json", "vectors.npy", "train.npz",
                                                      "dev.npz", "dev.json.gz"}
     assert not any(n.endswith("train.json.gz") for n in names)  # training never reads it
     said = capsys.readouterr().out
-    mib = travel.stat().st_size / 2**20
     info = json.loads(gs.travel_info(travel).read_text())  # carried beside the data
-    carry = gs.carry_mib(mib, gs.tree_mib(gs.INBOX))  # 64 MiB less the tree, growth and data
+    carry = gs.carry_mib(gs.tree_mib(paths["inbox"]))  # 64 MiB less the tree and growth
     assert info["carry_mib"] == carry and info["growth_mib"] == gs.GROWTH_MIB
-    assert f"the carry-over at most {carry:g} MiB; 64 MiB in all" in said
+    assert info["calls"] == [[str(travel), str(gs.travel_info(travel))]]  # no carry-over
+    assert f"this session sends on at most {carry:g} MiB" in said
     assert "never started" not in said  # one minute: it ends within a command
 
     # The GPU machine has no raw data: the run reads only what was carried.
     monkeypatch.delenv("MRC_DATA_DIR")
-    paths = {k: tmp_path / k for k in ("runner", "inbox", "work", "results", "out")}
     (paths["results"]).mkdir()
-    common = [f"--{k}={paths[k]}" for k in ("runner", "inbox", "work", "results")]
+    common = [f"--{k}={paths[k]}" for k in ("runner", "inbox", "staged", "work", "results")]
     result = gs.main(["run", "--tiny", "--out", str(paths["out"]), "--minutes", "4",
                       "--steps", "bringup,measure,profile,compile,train", "--only", "tq/*",
                       "--queue-file", q, "--profile", "smoke", "--travel", str(travel),
@@ -62,7 +63,8 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     here = tmp_path / "here"
     lines = gs.main(["import", str(paths["out"]), "--keep", str(tmp_path / "keep"),
                      f"--results={paths['results']}", f"--runner={here}",
-                     f"--inbox={paths['inbox']}", "--queue-file", q])
+                     f"--inbox={paths['inbox']}", f"--staged={paths['staged']}",
+                     "--queue-file", q])
     assert any(line.startswith("benchmark ") for line in lines)
     assert lines[-1] == f"page {tmp_path / 'book' / 'full_runs.md'}: commit it"
     page = (tmp_path / "book" / "full_runs.md").read_text()  # a smoke run: not the full config
@@ -153,6 +155,43 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
     assert gs.bringup_skip(s) is None  # the bring-up is per GPU
     other = gs.Session(args, "NVIDIA A100-SXM4-80GB", tmp_path / "w", results, time.time())
     assert steps["packing"].skip(other) is None  # another chip
+
+
+def test_a_carry_over_too_large_beside_the_data_travels_in_a_call_of_its_own(tmp_path,
+                                                                             monkeypatch):
+    """``prepare`` moves the committed carry-over out of the tree and names the calls: one
+    where it fits beside the data, else the data first, then the carry-over with the command
+    (the warm machine keeps the data); ``run`` restores the moved one; an import that gets
+    nothing back puts it back, one that gets a bundle spends it."""
+    inbox, staged = tmp_path / "inbox", tmp_path / "staged"
+    assert gs.stage_inbox(inbox, staged) == 0  # nothing to carry on
+    (inbox / "1").mkdir(parents=True)
+    (inbox / "1" / "queue.json").write_text("{}")
+    (inbox / "1" / "queue.000.000").write_bytes(b"x" * 2**20)
+    mib = gs.stage_inbox(inbox, staged)
+    assert not inbox.exists() and (staged / "1" / "queue.000.000").is_file() and 1 < mib < 1.01
+    assert gs.stage_inbox(inbox, staged) == mib  # a second prepare keeps what the first moved
+    travel = tmp_path / "travel.tar.xz"
+    data = [str(travel), str(tmp_path / "travel.json")]
+    assert gs.calls_for(travel, 20, staged, 30, 6.5) == [data + [str(staged)]]
+    assert gs.calls_for(travel, 20, staged, 50, 6.5) == [data, [str(staged)]]
+    assert gs.calls_for(gs.TRAVEL, 20, gs.STAGED, 50, 6.5) == [
+        [".devcache/travel.tar.xz", ".devcache/travel.json"], [".devcache/inbox"]]
+    assert gs.carry_mib(6.5) == 56.0 and gs.carry_mib(0.1) == 60  # what comes back, at most
+
+    monkeypatch.setattr(records, "BOOK_RUNS", tmp_path / "book" / "runs")  # the page's folder
+    keep = tmp_path / "back"
+    (keep / "session").mkdir(parents=True)
+    (keep / "session" / "session.json").write_text(json.dumps(
+        {"device": "cpu", "started": "now", "steps": []}))
+    with tarfile.open(keep / "session.tar", "w") as tar:
+        tar.add(keep / "session", arcname=".")
+    args = Namespace(source=str(keep), keep=str(tmp_path / "kept"), results=str(tmp_path),
+                     runner=tmp_path / "runner", inbox=inbox, staged=staged,
+                     queue_file=str(write_queue(tmp_path, {"tq": []})))
+    lines = gs.import_session(args)
+    assert f"no bundle came back: {inbox} is the carry-over that was sent" in lines
+    assert (inbox / "1" / "queue.000.000").is_file() and not staged.exists()
 
 
 def test_two_imports_in_one_second_keep_two_folders(tmp_path):
@@ -256,8 +295,8 @@ def test_plan_gives_each_queue_run_its_checkpoint_data_and_fate(mirror, tmp_path
                                                       "tq/long": "carried",
                                                       "tq/wide": "stranded"}
     carry = runs["tq/long"]["carry_mib"]
-    tree = gs.tree_mib(gs.INBOX)  # 64 MiB less the tree, what the import adds, and the data
-    assert 1 < carry and abs(carry - gs.carry_mib(runs["tq/long"]["travel_mib"], tree)) < 0.11
+    tree = gs.tree_mib(gs.INBOX)  # 64 MiB less the tree and what the import adds
+    assert 1 < carry and abs(carry - gs.carry_mib(tree)) < 0.11
     # (one 0.1 MiB step of the floor apart at most: the other worker's tests write files)
     assert runs["tq/long"]["checkpoint_mib"] < carry < runs["tq/wide"]["checkpoint_mib"]
     assert result["chapters"]["tq"] == {"runs": 3, "minutes": 44, "command": 1,
