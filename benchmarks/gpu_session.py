@@ -86,7 +86,7 @@ INBOX = ROOT / "runs" / "inbox"
 # own: in the command's call, while the data went in a call before it (calls_for).
 STAGED = ROOT / ".devcache" / "inbox"
 WORK = ROOT / "runs" / "session"
-TRAVEL_MIB = 64  # what a command may carry: the tree, the data and the carry-over
+TRAVEL_MIB = 64  # what one call to the device tool carries, the tree included
 # Kept beside the tree for what a session's import adds to it (records, benchmark files)
 # before the next session carries the carry-over it sent: all 52 EA Reader records of a CPU
 # rehearsal come to 1.15 MiB, PhaseCond's 35 to 2.0, every queue run's to 4.7.
