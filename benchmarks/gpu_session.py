@@ -360,9 +360,7 @@ def session(args) -> dict:
             s.env["MRC_CACHE_DIR"] = str(work / "cache")
             s.log.append({"step": "data",
                           "state": unpack_travel(Path(args.travel), work / "cache")})
-        staged = Path(args.staged)
-        inbox = staged if staged.is_dir() and any(staged.rglob("queue.json")) else args.inbox
-        restored = queue.restore(args.runner, inbox, log=lambda line: None)
+        restored = queue.restore(args.runner, carried(args), log=lambda line: None)
         s.log.append({"step": "inbox", "state": "unpacked" if restored else "nothing to unpack"})
     except Exception as e:  # noqa: BLE001 (named in session.json)
         s.log.append({"step": "data and inbox", "state": f"failed: {type(e).__name__}: {e}"})
@@ -495,6 +493,13 @@ def stage_inbox(inbox: Path, staged: Path) -> float:
         shutil.move(inbox, staged)
     files = [p for p in staged.rglob("*") if p.is_file()] if staged.is_dir() else []
     return sum(p.stat().st_size for p in files) / 2**20
+
+
+def carried(args) -> Path:
+    """Where the carry-over reached this machine: ``--staged``, where ``prepare`` moved it and
+    a call carried it, else the tree's ``--inbox``."""
+    staged = Path(args.staged)
+    return staged if staged.is_dir() and any(staged.rglob("queue.json")) else args.inbox
 
 
 def travel_info(travel: Path) -> Path:

@@ -235,10 +235,12 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
         {"device": "GPU", "started": "now", "steps": [{"step": "train", "state": "done"}]}))
     with tarfile.open(out / "session.tar", "w") as tar:
         tar.add(tmp_path / "session.json", arcname="session.json")
-    inbox = tmp_path / "inbox"
+    inbox, staged = tmp_path / "inbox", tmp_path / "staged"
+    staged.mkdir()  # the carry-over this session was sent: spent once bundles come back
     lines = gs.main(["import", str(out), "--keep", str(tmp_path / "keep"),
                      f"--results={tmp_path}", f"--runner={tmp_path / 'here'}",
-                     f"--inbox={inbox}"])
+                     f"--inbox={inbox}", f"--staged={staged}"])
+    assert not staged.exists()
     assert lines[1] == "  train: done" and lines[-2].startswith("carry-over")
     assert (tmp_path / "here" / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
     back = tmp_path / "back"
@@ -247,6 +249,13 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
     # The records are in book/runs, which travels with the tree: not again in the inbox.
     listing = json.loads((inbox / "1" / "queue.json").read_text())
     assert [unit["unit"] for unit in listing["units"]] == ["ch/r"]
+    # The next prepare moves it out of the tree; the next command restores it from there.
+    args = Namespace(inbox=inbox, staged=staged)
+    assert gs.carried(args) == inbox
+    gs.stage_inbox(inbox, staged)
+    assert gs.carried(args) == staged and not inbox.exists()
+    assert gs.queue.restore(tmp_path / "next", gs.carried(args), log=lambda line: None)
+    assert (tmp_path / "next" / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
 
 
 def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypatch):
