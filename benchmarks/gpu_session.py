@@ -130,21 +130,14 @@ class Session:
             shutil.copyfile(earlier, path)
         return path
 
-    def on_file(self, name: str) -> dict | None:
-        """This device's benchmark file ``name``: written by this command, else on file."""
-        for folder in (self.work / "results", self.results):
-            path = folder / name.format(device=slug(self.device))
-            if path.is_file():
-                return json.loads(path.read_text(encoding="utf-8"))
-        return None
-
-    def on_chip(self, name: str) -> dict | None:
-        """Benchmark file ``name`` of this device (:meth:`on_file`), else one on file for
-        another GPU on its chip (:data:`mrc_lib.queue.CHIPS`)."""
-        for folder in (self.work / "results", self.results):
-            path = queue.chip_file(folder, name, self.device)
-            if path is not None:
-                return json.loads(path.read_text(encoding="utf-8"))
+    def on_file(self, name: str, chip: bool = False) -> dict | None:
+        """This device's benchmark file ``name``: written by this command, else on file; with
+        ``chip``, else one on file for another GPU on its chip (:func:`queue.chip_mates`)."""
+        for device in (self.device, *(queue.chip_mates(self.device) if chip else ())):
+            for folder in (self.work / "results", self.results):
+                path = folder / name.format(device=slug(device))
+                if path.is_file():
+                    return json.loads(path.read_text(encoding="utf-8"))
         return None
 
     def left(self) -> float:
@@ -199,7 +192,7 @@ def measure_argv(s: Session, budget: float) -> list[str]:
 def chip_skip(s: Session, name: str) -> str | None:
     """Why a step whose file ``name`` holds for every GPU on a chip is not needed: that file
     is on file, whole, for this GPU or another on its chip."""
-    found = s.on_chip(name)
+    found = s.on_file(name, chip=True)
     if s.tiny or found is None or not found.get("complete"):
         return None
     device = found.get("device")
@@ -252,7 +245,7 @@ def parallel(s: Session) -> int:
     chip), else 2."""
     if s.args.parallel:
         return s.args.parallel
-    found = s.on_chip("packing_{device}.json")
+    found = s.on_file("packing_{device}.json", chip=True)
     return int(found["recommended_parallel"]) if found and not s.tiny and \
         found.get("recommended_parallel") else 2
 
@@ -487,7 +480,7 @@ def stage_inbox(inbox: Path, staged: Path) -> float:
     """Move the committed carry-over ``inbox`` out of the tree to ``staged`` (replacing what
     an earlier prepare left there), where a call carries it as a path of its own; return its
     MiB (0: none). Import puts the next carry-over in ``inbox`` again, or this one back."""
-    if inbox.is_dir() and any(inbox.rglob("queue.json")):
+    if holds_bundles(inbox):
         shutil.rmtree(staged, ignore_errors=True)
         staged.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(inbox, staged)
@@ -498,8 +491,12 @@ def stage_inbox(inbox: Path, staged: Path) -> float:
 def carried(args) -> Path:
     """Where the carry-over reached this machine: ``--staged``, where ``prepare`` moved it and
     a call carried it, else the tree's ``--inbox``."""
-    staged = Path(args.staged)
-    return staged if staged.is_dir() and any(staged.rglob("queue.json")) else args.inbox
+    return Path(args.staged) if holds_bundles(Path(args.staged)) else args.inbox
+
+
+def holds_bundles(folder: Path) -> bool:
+    """Whether ``folder`` holds a packed runner folder's bundles (a ``queue.json`` each)."""
+    return folder.is_dir() and any(folder.rglob("queue.json"))
 
 
 def travel_info(travel: Path) -> Path:
@@ -529,9 +526,9 @@ def prepare(args) -> Path:
     if tree + mib > TRAVEL_MIB:
         raise UserError(f"{travel}: {mib:.1f} MiB of data does not fit a call beside the "
                         f"{tree:.1f} MiB tree: select runs of fewer datasets with --only")
-    for k, carried in enumerate(calls, 1):
+    for k, paths in enumerate(calls, 1):
         what = "the command" if k == len(calls) else "a call before it (command: true)"
-        print(f"call {k} of {len(calls)}, {what}: carry {json.dumps(carried)}")
+        print(f"call {k} of {len(calls)}, {what}: carry {json.dumps(paths)}")
     for job, size in queue.stranded(jobs, carry, args.profile):
         print(f"never started: {job.key} (~{job.entry.minutes:g} min, longer than a command; "
               f"its {size / 2**20:.1f} MiB checkpoint does not fit the carry-over)")
@@ -624,7 +621,7 @@ def import_session(args) -> list[str]:
         lines.append(f"benchmark {results / path.name}")
     bundles = sorted(keep.glob("b[0-9]*"))
     staged = Path(args.staged)
-    if not bundles and staged.is_dir() and not args.inbox.exists():
+    if not bundles and holds_bundles(staged) and not args.inbox.exists():
         shutil.move(staged, args.inbox)  # nothing came back: the carry-over sent still holds
         lines.append(f"no bundle came back: {args.inbox} is the carry-over that was sent")
     if bundles:

@@ -472,11 +472,16 @@ def _vocab(cfg):
 CHIPS = {"GH100": ("NVIDIA H100 80GB HBM3", "NVIDIA H200")}
 
 
+def chip_mates(device: str) -> tuple[str, ...]:
+    """The other GPUs on ``device``'s chip (:data:`CHIPS`)."""
+    names = next((names for names in CHIPS.values() if device in names), ())
+    return tuple(name for name in names if name != device)
+
+
 def chip_file(folder: Path, pattern: str, device: str) -> Path | None:
     """``folder``'s file ``pattern`` (``{device}`` standing for the device's slug) for
-    ``device``, else for another GPU on its chip (:data:`CHIPS`); ``None`` if neither."""
-    mates = next((names for names in CHIPS.values() if device in names), ())
-    for name in (device, *(mate for mate in mates if mate != device)):
+    ``device``, else for another GPU on its chip (:func:`chip_mates`); ``None`` if neither."""
+    for name in (device, *chip_mates(device)):
         path = folder / pattern.format(device=slug(name))
         if path.is_file():
             return path
