@@ -20,9 +20,13 @@ of ``--seq-len`` context tokens (:mod:`mrc_lib.bench`), after warm-up steps:
   name;
 * for a step that waits on the host: ``host_ms``, the time the host spent inside operators
   (their own CPU time, launches included, summed; the profiler's overhead inflates it),
-  ``host_ops``, the operators with the most of it, and ``syncs``, the CUDA runtime calls per
-  step that can hold the host until the GPU has caught up (stream, event and device
-  synchronisations, memory copies: ``.item()`` is a copy and a synchronisation), by name.
+  ``host_ops``, the operators with the most of it, ``syncs``, the CUDA runtime calls per step
+  that hold the host until the GPU has caught up (stream, event and device synchronisations),
+  by name, and ``copies``, the GPU's memory copies per step by direction: one to host memory
+  (``DtoH``, as ``.item()`` makes) holds the host too, one within the GPU (``DtoD``, as a
+  ``clone`` or ``.contiguous()`` makes) is one more launch. (The first H100 profile, of
+  2026-11-26, counted ``cudaMemcpyAsync`` calls among its ``syncs``; they are copies of any
+  direction, mostly within the GPU, and hold the host only towards it.)
 
 A reader that fails is reported with its error and the others still run. The result goes to
 ``benchmarks/results/profile_<device>.json`` (or ``--out``), rewritten after each reader and
@@ -49,9 +53,10 @@ from mrc_lib.train import device_name, resolve_device, train_step  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
-# CUDA runtime calls that can hold the host until the GPU has caught up.
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+# CUDA runtime calls that hold the host until the GPU has caught up.
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
          "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+COPIES = "Memcpy"  # the GPU's copy events: "Memcpy DtoD (Device -> Device)", "Memcpy DtoH ..."
 
 
 def table(entries, time: str, steps: int, top: int) -> list[dict]:
@@ -93,7 +98,9 @@ def measure(name: str, device: str, seq_len: int, steps: int, tiny: bool, top: i
             "kernels": table(on_gpu, "self_device_time_total", steps, top),
             "host_ms": round(host, 3), "host_ops": table(ops, "self_cpu_time_total", steps, top),
             "syncs": {e.key: round(e.count / steps, 2) for e in ops
-                      if e.key.startswith(SYNCS)}}
+                      if e.key.startswith(SYNCS)},
+            "copies": {e.key: round(e.count / steps, 2) for e in on_gpu
+                       if e.key.startswith(COPIES)}}
 
 
 def main(argv=None) -> dict:

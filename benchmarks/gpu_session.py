@@ -93,6 +93,12 @@ TRAVEL_MIB = 64  # what one call to the device tool carries, the tree included
 GROWTH_MIB = 1.5
 PACK_SECONDS = 30  # kept for packing at the end
 RUNNER_EXIT = 15  # for `queue run` to print its table and exit
+# `queue run --reserve`: its trainers stop this long before it ends, room for the SQuAD dev
+# evaluation an epoch's end may start just before (QANet's took 6 to 10 s on the H100,
+# book/runs/01_bidaf_qanet/qanet.json), a checkpoint and the worker's exit (in the second H100
+# session's second command, the packing and the exit after the runner took 9 s). `queue run`'s
+# own default, 60 s, is for use by hand.
+TRAINER_RESERVE = 30
 COMPILE_MODELS = "qanet,dynsan"  # launch-bound at the first bring-up (how_to_reproduce.md)
 # Those two and PhaseCond, which stands for the recurrent readers in bf16 whose H200 rate is the
 # same at 140 and 400 tokens (IA, SAN, BiDAF++): what fixes their steps' time?
@@ -253,6 +259,7 @@ def parallel(s: Session) -> int:
 def train_argv(s: Session, budget: float) -> list[str]:
     minutes = (budget - RUNNER_EXIT) / 60  # its trainers stop a --reserve before that
     return [PY, "-m", "mrc_lib", "queue", "run", "--minutes", f"{minutes:.2f}",
+            "--reserve", str(TRAINER_RESERVE),
             "--out", str(s.args.runner), "--parallel", str(parallel(s)),
             "--carry-mib", f"{s.carry:g}",
             "--file", str(s.args.queue_file), "--profile", s.args.profile,

@@ -298,6 +298,25 @@ def speed_rows(results_dir: Path) -> list[list]:
     return rows
 
 
+def profile_rows(results_dir: Path) -> list[list]:
+    """One row per reader and GPU of the profile files (``profile_<device>.json``,
+    ``benchmarks/gpu_profile.py``): a training step's wall time, its kernels' time, their
+    ratio, the kernels it launched and the operator with the most kernel time."""
+    rows = []
+    for path in sorted(results_dir.glob("profile_*.json")):
+        found = json.loads(path.read_text(encoding="utf-8"))
+        if found.get("tiny"):
+            continue
+        for name, m in sorted(found["models"].items()):
+            if "wall_ms" not in m:
+                continue
+            top = m["ops"][0] if m["ops"] else {}
+            rows.append([name, found["device"], m["batch_size"], m["seq_len"], m["wall_ms"],
+                         m["kernel_ms"], m["busy"], m["launches"],
+                         top and f"`{top['name']}` ({format_cell(top['ms'])} ms)"])
+    return rows
+
+
 def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path | None = None,
                      results_dir: str | Path | None = None) -> str:
     """The MyST Markdown of the Full-scale runs page: the queue's progress per chapter, each
@@ -345,6 +364,19 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s",
                                   "Compiled", "CUDA graphs", "Train ex/s", "Peak GiB",
                                   "Config"], speeds)]
+    steps = profile_rows(Path(results_dir or BENCHMARK_RESULTS))
+    if steps:
+        parts += ["**Where a training step's time goes.** One training step of a reader (the "
+                  "trainer's step and the weight average, eager, at its full profile's batch "
+                  "size and precision, on a synthetic batch of the tokens given) timed alone, "
+                  "then under the PyTorch profiler (`benchmarks/gpu_profile.py`, files "
+                  "`benchmarks/results/profile_*.json`): its wall time, the time its GPU "
+                  "kernels ran, their ratio (*Busy*: a step far below 1 waits on the host, "
+                  "which launches one kernel per operation; CUDA graphs or more runs packed on "
+                  "the GPU are the cure), the kernels it launched, and the operator with the "
+                  "most kernel time.",
+                  markdown_table(["Reader", "Device", "Batch", "Tokens", "Step ms",
+                                  "Kernel ms", "Busy", "Launches", "Top operator"], steps)]
     measured, trained = [], {}
     for path in sorted(runs_dir.glob("*/**/*.json")):
         record = records.read_record(path)

@@ -316,8 +316,11 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
     ``reserve`` seconds from now (the trainers' deadline), each with ``settings``, starting
     only what :func:`startable` allows (with a :class:`Carry` of ``carry_mib`` when ``out``
     reaches the next command only as its carry-over); return each started job's exit status
-    (0: complete or cleanly stopped)."""
-    deadline = time.time() + 60 * minutes - reserve
+    (0: complete or cleanly stopped). Each start and end is logged with the seconds since the
+    call began: against the records' ``wall_seconds`` (the trainer's time), a log shows what
+    each worker spent beside its trainer and how long a slot stood idle."""
+    began = time.time()
+    deadline = began + 60 * minutes - reserve
     todo = pending(jobs, out, profile)
     carry = None if carry_mib is None else Carry(out, int(carry_mib * 2**20), profile)
     running: dict[str, tuple[subprocess.Popen, object]] = {}
@@ -330,7 +333,8 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
             if job is None:
                 break
             todo.remove(job)
-            log(f"start {job.key} (priority {job.priority}, ~{job.entry.minutes:.0f} min)")
+            log(f"start {job.key} (priority {job.priority}, ~{job.entry.minutes:.0f} min) "
+                f"at {time.time() - began:.0f} s")
             folder = out / job.entry.chapter / job.name
             folder.mkdir(parents=True, exist_ok=True)
             log_file = open(folder / "worker.log", "ab")  # noqa: SIM115 (closed when it ends)
@@ -348,7 +352,8 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
                 log_file.close()
                 del running[key]
                 log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
-                    f"(exit {proc.returncode}; log {out / key / 'worker.log'})")
+                    f"(exit {proc.returncode}; log {out / key / 'worker.log'}) "
+                    f"at {time.time() - began:.0f} s")
                 job = find_job(jobs, key)
                 if carry is not None and state_of(job, out, profile)[0] == "done":
                     carry.release(job)

@@ -274,8 +274,19 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
         "bidaf": {"speed": {"140": {"epoch_seconds": 30.0}, "400": {"epoch_seconds": 40.0}}}}}))
     (results / "gpu_cpu.json").write_text(json.dumps({"device": "cpu", "tiny": True,
                                                       "models": {"bidaf": bidaf}}))
+    step = {"batch_size": 32, "seq_len": 400, "wall_ms": 132.7, "kernel_ms": 41.3,
+            "busy": 0.311, "launches": 4560.0, "ops": [{"name": "aten::copy_", "calls": 1218.0,
+                                                         "ms": 6.54}]}
+    (results / "profile_y.json").write_text(json.dumps({"device": "Y", "models": {
+        "qanet": step, "dynsan": {"error": "RuntimeError: boom"}}}))
+    (results / "profile_cpu.json").write_text(json.dumps({"device": "cpu", "tiny": True,
+                                                         "models": {"qanet": step}}))
     page = write_full_runs(runs, queue_file=q, results_dir=results).read_text()
     assert page == render_full_runs(runs, q, results) and "Do not edit it by hand" in page
+    # The profile: a failed reader and --tiny left out.
+    assert ("| qanet | Y | 32 | 400 | 132.7 | 41.3 | 0.311 | 4560 | `aten::copy_` (6.54 ms) |"
+            in page)
+    assert "| dynsan | Y |" not in page
     # Eager and compiled at 400 tokens; no CUDA graphs file; a failed reader and --tiny left out.
     assert "| bidaf | X | 60 | no | 46.9 | 40 | — | 1866 | 2 | earlier |" in page
     assert "| qanet | X" not in page and "| cpu |" not in page
@@ -300,6 +311,7 @@ def test_full_runs_page_without_records_or_benchmarks(tmp_path):
     page = render_full_runs(tmp_path / "runs", q, tmp_path / "results")
     assert "| tq | 1 | 0 | 0 | 1 | 3 |" in page
     assert "Training speed" not in page and "Measurements" not in page and "## " not in page
+    assert "Where a training step's time goes" not in page
 
 
 def test_committed_full_runs_page_is_current():

@@ -107,6 +107,7 @@ def test_gpu_profile_times_and_profiles_a_step_tiny_on_cpu(tmp_path):
     assert qanet["wall_ms"] > 0 and qanet["kernel_ms"] == qanet["launches"] == 0  # no GPU
     assert len(qanet["ops"]) == 5 and qanet["kernels"] == []
     assert qanet["host_ms"] > 0 and len(qanet["host_ops"]) == 5 and qanet["syncs"] == {}
+    assert qanet["copies"] == {}  # no GPU, no copy events
     assert all(op["name"] and op["calls"] > 0 and op["ms"] >= 0 for op in qanet["ops"])
     assert [op["ms"] for op in qanet["ops"]] == sorted((op["ms"] for op in qanet["ops"]),
                                                        reverse=True)

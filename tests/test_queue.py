@@ -106,10 +106,16 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     assert queue.state_of(seed0, out, "smoke")[0] == "partial"
     assert [j.key for j in queue.pending(jobs, out, "smoke")] == [seed0.key, seed1.key]
 
+    lines = []
     codes = queue.run_queue(jobs, out, minutes=5, parallel=2, reserve=0, profile="smoke",
                             queue_file=tiny_queue, settings=("eval_batch_size=3",),
-                            log=lambda line: None)
+                            log=lines.append)
     assert codes == {seed0.key: 0, seed1.key: 0}  # both ran, as two processes at once
+    # Each start and end says when, in seconds since the call began.
+    assert [re.sub(r" \(.*\)", "", line) for line in lines[:2]] == [
+        f"start {seed0.key} at 0 s", f"start {seed1.key} at 0 s"]
+    assert all(re.fullmatch(r"(start|ended) \S+ \(.*\) at \d+ s", line) for line in lines)
+    assert sorted(line.split()[0] for line in lines) == ["ended", "ended", "start", "start"]
     done = [json.loads((out / "records" / "tq" / f"bidaf_seed{s}.json").read_text())
             for s in (0, 1)]
     reference = json.loads(json.dumps(whole))
