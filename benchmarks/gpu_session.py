@@ -116,7 +116,10 @@ class Session:
     results: Path  # where this device's earlier results are read
     deadline: float
     carry: float = queue.CARRY_MIB  # the MiB of runner folder that go on to the next session
-    env: dict = field(default_factory=dict)
+    # Every step's log names each torch.compile recompilation and its cause: the compile
+    # steps' first step at their second length (400 tokens) took 33-35 s on both chips, where
+    # a CPU compiles QANet's blocks for 140 tokens and then no more.
+    env: dict = field(default_factory=lambda: {"TORCH_LOGS": "recompiles"})
     log: list = field(default_factory=list)
 
     @property

@@ -310,7 +310,7 @@ def profile_rows(results_dir: Path) -> list[list]:
         for name, m in sorted(found["models"].items()):
             if "wall_ms" not in m:
                 continue
-            top = m["ops"][0] if m["ops"] else {}
+            top = m["ops"][0] if m["ops"] else None
             rows.append([name, found["device"], m["batch_size"], m["seq_len"], m["wall_ms"],
                          m["kernel_ms"], m["busy"], m["launches"],
                          top and f"`{top['name']}` ({format_cell(top['ms'])} ms)"])
