@@ -3,6 +3,7 @@
     python benchmarks/gpu_bringup.py                      # CUDA, full-profile sizes
     python benchmarks/gpu_bringup.py --compile            # also through torch.compile
     python benchmarks/gpu_bringup.py --compile --compile-mode reduce-overhead  # CUDA graphs
+    python benchmarks/gpu_bringup.py --compile --whole ...  # the whole reader, not its blocks
     python benchmarks/gpu_bringup.py --device cpu --tiny  # the script's own check (CI)
 
 For each reader of :data:`mrc_lib.models.MODELS` that the full profile configures, at its full
@@ -24,6 +25,11 @@ A reader that fails is reported with its error and the others still run. The res
 ``--resume`` goes on with a file that a cut command left: the readers it holds under the same
 settings, without an error and with their current config hash, are kept, and only the others
 are measured (a GPU session's compile step, cut after QANet, compiles DynSAN next time).
+``--whole`` compiles a reader that names repeated blocks to compile (``compile_regions``: QANet,
+DynSAN) whole, as config ``compile_whole`` does, and times training alone (the trainer
+evaluates the reader itself, not the compiled whole). A reader is entered as cut
+(:data:`CUT`) before it is measured; ``--resume`` measures a cut reader again, except one
+compiled whole: that its compilation outlasted a command's step is the finding.
 ``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
 the script, not the speed.
 """
@@ -63,9 +69,9 @@ from mrc_lib.train import (  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
 
-def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
-    """A checked training step on ``batch``, then training and inference examples per second
-    and the seconds per SQuAD epoch at that rate."""
+def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int, infer: bool = True) -> dict:
+    """A checked training step on ``batch``, then training and (with ``infer``) inference
+    examples per second and the seconds per SQuAD epoch at that rate."""
     model.train()
     tic = time.perf_counter()
     finite = bool(torch.isfinite(train_step(net, batch, optimizer, cfg, dev)))  # waits for it
@@ -74,21 +80,24 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int) -> dict:
     if not finite or not all(torch.isfinite(g).all() for g in grads):
         raise FloatingPointError(f"non-finite loss or gradient at {batch['c_words'].shape[1]} "
                                  "tokens")
-    train_s, infer_s = time_steps(net, model, batch, optimizer, ema, cfg, dev, steps)
+    train_s, infer_s = time_steps(net, model, batch, optimizer, ema, cfg, dev, steps,
+                                  infer=infer)
     rate = steps * cfg.batch_size / train_s
     return {"first_step_seconds": round(first_step, 2), "train_examples_per_s": round(rate, 1),
-            "infer_examples_per_s": round(steps * cfg.batch_size / infer_s, 1),
+            "infer_examples_per_s": infer_s and round(steps * cfg.batch_size / infer_s, 1),
             "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
 
 
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
-            compile_mode: str | None) -> dict:
+            compile_mode: str | None, whole: bool = False) -> dict:
     """One reader's bring-up: a checked training step, then speeds and peak memory; through
-    :func:`torch.compile` in ``compile_mode`` unless it is ``None``."""
-    s = setup(name, "smoke" if tiny else "full", overrides(device, tiny, compile_mode),
+    :func:`torch.compile` in ``compile_mode`` (of the ``whole`` reader) unless it is
+    ``None``."""
+    s = setup(name, "smoke" if tiny else "full", overrides(device, tiny, compile_mode, whole),
               2_000 if tiny else None)
     cfg, dev, model = s.cfg, s.device, s.model
-    net = compiled(model, mode=cfg.compile_mode) if cfg.compile else model
+    net = compiled(model, mode=cfg.compile_mode, whole=cfg.compile_whole) if cfg.compile \
+        else model
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
@@ -96,13 +105,15 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
               "params": count_parameters(model), "speed": {}}
     for k, seq_len in enumerate(seq_lens):
         result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k), s.optimizer,
-                                              s.ema, cfg, dev, steps)
+                                              s.ema, cfg, dev, steps, infer=not whole)
     result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
     result["peak_memory_bytes"] = peak_memory_bytes(dev)
     return result
 
 
-SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "tiny", "seq_lens", "steps")
+CUT = "cut: the command ended before this reader's measurement did"
+SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_whole", "tiny",
+            "seq_lens", "steps")  # a file holds compile_whole only when it is true
 
 
 def kept(out: Path, results: dict, device: str) -> dict:
@@ -111,12 +122,14 @@ def kept(out: Path, results: dict, device: str) -> dict:
     if not out.is_file():
         return {}
     earlier = json.loads(out.read_text(encoding="utf-8"))
-    if any(earlier.get(key) != results[key] for key in SETTINGS):
+    if any(earlier.get(key) != results.get(key) for key in SETTINGS):
         return {}
     profile = "smoke" if results["tiny"] else "full"
-    keys = overrides(device, results["tiny"], results["compile_mode"])
+    keys = overrides(device, results["tiny"], results["compile_mode"],
+                     results.get("compile_whole", False))
     return {name: entry for name, entry in earlier.get("models", {}).items()
-            if "error" not in entry
+            if entry.get("error") == CUT and results.get("compile_whole")
+            or "error" not in entry
             and entry.get("config_hash") == reader_hash(name, profile, keys)}
 
 
@@ -127,6 +140,8 @@ def main(argv=None) -> dict:
     p.add_argument("--compile", action="store_true", help="train and infer via torch.compile")
     p.add_argument("--compile-mode", default="default", choices=CHOICES["compile_mode"],
                    help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
+    p.add_argument("--whole", action="store_true",
+                   help="with --compile, compile each reader whole, not its compile_regions")
     p.add_argument("--seq-len", default="400,140", help="context lengths, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
@@ -143,6 +158,8 @@ def main(argv=None) -> dict:
                "cuda": torch.version.cuda, "compile": args.compile,
                "compile_mode": args.compile_mode if args.compile else None, "tiny": args.tiny,
                "seq_lens": seq_lens, "steps": steps, "models": {}}
+    if args.compile and args.whole:
+        results["compile_whole"] = True
     if args.resume:
         results["models"] = kept(out, results, args.device)
     for name in args.models.split(",") if args.models else full_readers():
@@ -150,9 +167,12 @@ def main(argv=None) -> dict:
             print(name, "kept", flush=True)
             continue
         tic = time.perf_counter()
+        results["models"][name] = {"error": CUT}
+        atomic_write_json(out, results)  # what a command cut during this reader leaves
         try:
             results["models"][name] = measure(name, args.device, seq_lens, steps, args.tiny,
-                                              args.compile_mode if args.compile else None)
+                                              args.compile_mode if args.compile else None,
+                                              args.compile and args.whole)
         except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
             results["models"][name] = {"error": f"{type(e).__name__}: {e}",
                                        "traceback": traceback.format_exc(limit=-3)}

@@ -10,7 +10,9 @@ the time on what is still missing for this GPU, in this order:
    against wall time, host time, synchronisations, and the operators and kernels that take the
    most (``gpu_profile.py``).
 5. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
-   mode and with CUDA graphs (``gpu_bringup.py --compile``).
+   mode and with CUDA graphs (``gpu_bringup.py --compile``), their repeated blocks compiled
+   in place; ``compile_whole``: the two readers compiled whole, with CUDA graphs (``--whole``),
+   at 140 and 400 tokens.
 6. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
 
 Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
@@ -229,16 +231,21 @@ def profile_argv(s: Session, budget: float) -> list[str]:
             "bidaf" if s.tiny else PROFILE_MODELS, "--out", str(s.result("profile_{device}.json"))]
 
 
-def compile_step(name: str, mode: str, file: str) -> Step:
+def compile_step(name: str, mode: str, file: str, whole: bool = False) -> Step:
+    """A ``gpu_bringup.py --compile`` step of :data:`COMPILE_MODELS` in ``mode``: their
+    ``compile_regions`` at three lengths (the third shows whether a new length compiles
+    again), or the ``whole`` readers at two, for longer (the whole step compiles at once: QANet's
+    took several times its blocks' time on a CPU)."""
     def skip(s: Session) -> str | None:
         return "CUDA only" if s.tiny else chip_skip(s, file)
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
-                "--models", COMPILE_MODELS, "--seq-len", "140,400,250", "--resume",
+                *(["--whole"] if whole else []), "--models", COMPILE_MODELS,
+                "--seq-len", "140,400" if whole else "140,400,250", "--resume",
                 "--out", str(s.resumed(file))]
 
-    return Step(name, 180, 120, skip, argv)
+    return Step(name, 300, 200, skip, argv) if whole else Step(name, 180, 120, skip, argv)
 
 
 def train_skip(s: Session) -> str | None:
@@ -276,6 +283,8 @@ STEPS = [
     Step("profile", 120, 45, profile_skip, profile_argv),
     compile_step("compile", "default", "gpu_{device}_compile.json"),
     compile_step("compile_ro", "reduce-overhead", "gpu_{device}_compile_reduce_overhead.json"),
+    compile_step("compile_whole", "reduce-overhead",
+                 "gpu_{device}_compile_whole_reduce_overhead.json", whole=True),
     Step("train", 600, 150, train_skip, train_argv),
 ]
 

@@ -115,11 +115,12 @@ def _seconds(fn: Callable[[], object], steps: int, device: torch.device,
 
 def time_steps(net: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Tensor],
                optimizer: torch.optim.Optimizer, ema: EMA | None, cfg: TrainConfig,
-               dev: torch.device, steps: int,
-               warmup: int = WARMUP_STEPS) -> tuple[float, float]:
+               dev: torch.device, steps: int, warmup: int = WARMUP_STEPS,
+               infer: bool = True) -> tuple[float, float | None]:
     """Seconds of ``steps`` training steps (the trainer's ``train_step``, then the weight
-    average's update) and of ``steps`` inference passes on ``batch``, each after ``warmup``
-    untimed ones. ``net`` runs the steps: ``model`` itself or its ``torch.compile`` wrapper."""
+    average's update) and of ``steps`` inference passes on ``batch`` (``None`` without
+    ``infer``), each after ``warmup`` untimed ones. ``net`` runs the steps: ``model`` itself or
+    its ``torch.compile`` wrapper."""
 
     def train_once():
         train_step(net, batch, optimizer, cfg, dev)
@@ -134,6 +135,8 @@ def time_steps(net: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Te
 
     model.train()
     train_seconds = _seconds(train_once, steps, dev, warmup)
+    if not infer:
+        return train_seconds, None
     model.eval()
     return train_seconds, _seconds(infer_once, steps, dev, warmup)
 
@@ -172,11 +175,15 @@ def full_readers() -> list[str]:
     return names
 
 
-def overrides(device: str, tiny: bool = False, compile_mode: str | None = None) -> list[str]:
+def overrides(device: str, tiny: bool = False, compile_mode: str | None = None,
+              whole: bool = False) -> list[str]:
     """The config keys a GPU benchmark sets over its profile's: the device, batches of 2 for a
-    ``tiny`` check, and ``torch.compile`` in ``compile_mode``."""
+    ``tiny`` check, and ``torch.compile`` in ``compile_mode`` (of the ``whole`` reader)."""
     keys = [f"device={device}"] + (["batch_size=2"] if tiny else [])
-    return keys + (["compile=true", f"compile_mode={compile_mode}"] if compile_mode else [])
+    if compile_mode:
+        keys += ["compile=true", f"compile_mode={compile_mode}"] + \
+            (["compile_whole=true"] if whole else [])
+    return keys
 
 
 def reader_hash(model_name: str, profile: str = "full", overrides: Sequence[str] = ()) -> str:

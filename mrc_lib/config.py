@@ -96,6 +96,10 @@ class TrainConfig:
         compile_mode: :func:`torch.compile`'s ``mode`` with ``compile``: ``reduce-overhead``
             replays each compiled graph as a CUDA graph (one recording per batch shape: use it
             with ``pad_multiple``).
+        compile_whole: with ``compile``, compile the reader's whole forward as one graph even
+            where it names repeated blocks to compile in place (``compile_regions``): what the
+            blocks leave eager (embeddings, attention between them, pointers) is compiled too,
+            at a longer compilation in every process.
         pad_multiple: pad each training batch's context, question and passage lengths up to a
             multiple of this (1: to the batch's longest), so that a few shapes recur; outputs at
             the real positions are unchanged, only the extra padding costs work.
@@ -138,6 +142,7 @@ class TrainConfig:
     bf16: bool = False
     compile: bool = False
     compile_mode: str = "default"
+    compile_whole: bool = False
     pad_multiple: int = 1
     checkpoint_every: int | None = None
     log_every: int = 50

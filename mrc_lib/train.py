@@ -205,7 +205,8 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
                 fused=device.type == "cuda")
 
 
-def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "default") -> nn.Module:
+def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "default",
+             whole: bool = False) -> nn.Module:
     """``model`` (run as ``net``, ``model`` itself by default) for training through
     :func:`torch.compile` in ``mode`` (a :data:`mrc_lib.config.CHOICES` ``compile_mode``), with
     symbolic shapes from the first call: lengths change from batch to batch, and one
@@ -214,11 +215,12 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
     A reader that names its repeated blocks in ``compile_regions`` gets each of those modules
     compiled in place (regional compilation: one graph per kind of block, which its copies
     share, compiled in a fraction of the time of the whole step) and ``net`` is returned as it
-    is; any other reader's ``net`` is compiled whole.
+    is, unless ``whole`` (config ``compile_whole``); any other reader's ``net`` is compiled
+    whole.
     """
     net = model if net is None else net
     options = {"dynamic": True, "mode": None if mode == "default" else mode}
-    regions = getattr(model, "compile_regions", ())
+    regions = () if whole else getattr(model, "compile_regions", ())
     if not regions:
         return torch.compile(net, **options)
     for module in model.modules():
@@ -374,7 +376,7 @@ class Trainer:
             self.net = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if cfg.compile:
-            self.net = compiled(self.model, self.net, cfg.compile_mode)
+            self.net = compiled(self.model, self.net, cfg.compile_mode, cfg.compile_whole)
         # Each process draws its own dropout masks.
         torch.manual_seed(cfg.seed + process.rank)
         self.progress = Progress()

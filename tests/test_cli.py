@@ -95,6 +95,19 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     again = bringup.main(["--device", "cpu", "--tiny", "--models", "bidaf", "--resume",
                           "--out", str(out)])
     assert again["models"]["bidaf"]["seconds"] >= 0
+    # A file of the readers compiled whole goes on only as such (earlier files, of their
+    # blocks, have no compile_whole key).
+    blocks = dict(first, compile=True, compile_mode="reduce-overhead", models={})
+    out.write_text(json.dumps(dict(blocks, compile_whole=True, models=first["models"])))
+    assert bringup.kept(out, blocks, "cpu") == {}
+    assert set(bringup.kept(out, dict(blocks, compile_whole=True), "cpu")) == {"bidaf", "san"}
+    # A reader is entered as cut before its measurement: measured again on --resume, except
+    # when compiled whole (that its compilation outlasted the step is the finding).
+    cut = {"bidaf": {"error": bringup.CUT}}
+    out.write_text(json.dumps(dict(blocks, models=cut)))
+    assert bringup.kept(out, blocks, "cpu") == {}
+    out.write_text(json.dumps(dict(blocks, compile_whole=True, models=cut)))
+    assert bringup.kept(out, dict(blocks, compile_whole=True), "cpu") == cut
 
 
 def test_gpu_profile_times_and_profiles_a_step_tiny_on_cpu(tmp_path):

@@ -139,7 +139,8 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
     steps = {step.name: step for step in gs.STEPS}
     names = {"packing": "packing_nvidia_h200.json", "profile": "profile_nvidia_h200.json",
              "compile": "gpu_nvidia_h200_compile.json",
-             "compile_ro": "gpu_nvidia_h200_compile_reduce_overhead.json"}
+             "compile_ro": "gpu_nvidia_h200_compile_reduce_overhead.json",
+             "compile_whole": "gpu_nvidia_h200_compile_whole_reduce_overhead.json"}
     for step, name in names.items():
         assert steps[step].skip(s) is None
         (results / name).write_text(json.dumps({"device": "NVIDIA H200"}))  # cut: not whole
@@ -219,6 +220,10 @@ def test_a_cut_compile_step_goes_on_from_the_file_it_left(tmp_path):
     (s.work / "results" / "gpu_cpu_compile.json").write_text("{}")
     assert json.loads(open(step.argv(s, 180)[-1]).read()) == {}  # its own, once written
     assert "--resume" in gs.bringup_argv(s, 150)
+    whole = next(step for step in gs.STEPS if step.name == "compile_whole")
+    argv = whole.argv(s, 300)
+    assert argv[argv.index("--compile-mode") + 1] == "reduce-overhead" and "--whole" in argv
+    assert argv[argv.index("--seq-len") + 1] == "140,400" and "--whole" not in step.argv(s, 180)
 
 
 def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, monkeypatch):

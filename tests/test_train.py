@@ -648,6 +648,12 @@ def test_compile_compiles_a_readers_regions_in_place_or_the_whole_reader():
         blocks = [m for m in model.modules() if isinstance(m, region)]
         assert blocks and all(m._compiled_call_impl is not None for m in blocks)
         assert model._compiled_call_impl is None and list(model.state_dict()) == keys
+        # compile_whole: the reader itself, as one graph.
+        whole = build_model(name, vocab, **resolve_config(name, profile="smoke").hparams)
+        assert isinstance(engine.compiled(whole, whole=True),
+                          torch._dynamo.eval_frame.OptimizedModule)
+        assert all(m._compiled_call_impl is None for m in whole.modules()
+                   if isinstance(m, region))
     bidaf = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
     assert isinstance(engine.compiled(bidaf), torch._dynamo.eval_frame.OptimizedModule)
 
