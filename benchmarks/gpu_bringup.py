@@ -28,8 +28,9 @@ are measured (a GPU session's compile step, cut after QANet, compiles DynSAN nex
 ``--whole`` compiles a reader that names repeated blocks to compile (``compile_regions``: QANet,
 DynSAN) whole, as config ``compile_whole`` does, and times training alone (the trainer
 evaluates the reader itself, not the compiled whole). A reader is entered as cut
-(:data:`CUT`) before it is measured; ``--resume`` measures a cut reader again, except one
-compiled whole: that its compilation outlasted a command's step is the finding.
+(:data:`CUT`) before it is measured, and a SIGTERM (a GPU session's step running out of time)
+adds the seconds it had; ``--resume`` measures a cut reader again, except one compiled whole
+that had :data:`WHOLE_FINAL_SECONDS`: so long a compilation is the finding.
 ``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
 the script, not the speed.
 """
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 import traceback
@@ -112,6 +114,9 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
 
 
 CUT = "cut: the command ended before this reader's measurement did"
+# A reader compiled whole and cut after this long is not tried again: every process of a GPU
+# command (8.5 minutes at most) would compile as long before its first step.
+WHOLE_FINAL_SECONDS = 240
 SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_whole", "tiny",
             "seq_lens", "steps")  # a file holds compile_whole only when it is true
 
@@ -129,6 +134,7 @@ def kept(out: Path, results: dict, device: str) -> dict:
                      results.get("compile_whole", False))
     return {name: entry for name, entry in earlier.get("models", {}).items()
             if entry.get("error") == CUT and results.get("compile_whole")
+            and entry.get("seconds", 0) >= WHOLE_FINAL_SECONDS
             or "error" not in entry
             and entry.get("config_hash") == reader_hash(name, profile, keys)}
 
@@ -162,25 +168,42 @@ def main(argv=None) -> dict:
         results["compile_whole"] = True
     if args.resume:
         results["models"] = kept(out, results, args.device)
-    for name in args.models.split(",") if args.models else full_readers():
-        if name in results["models"]:
-            print(name, "kept", flush=True)
-            continue
-        tic = time.perf_counter()
-        results["models"][name] = {"error": CUT}
-        atomic_write_json(out, results)  # what a command cut during this reader leaves
-        try:
-            results["models"][name] = measure(name, args.device, seq_lens, steps, args.tiny,
-                                              args.compile_mode if args.compile else None,
-                                              args.compile and args.whole)
-        except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
-            results["models"][name] = {"error": f"{type(e).__name__}: {e}",
-                                       "traceback": traceback.format_exc(limit=-3)}
-        results["models"][name]["seconds"] = round(time.perf_counter() - tic, 1)
-        print(name, results["models"][name].get("epoch_seconds",
-                                                results["models"][name].get("error")),
-              flush=True)
-        atomic_write_json(out, results)  # after each reader: a command cut short keeps them
+    measuring = {}  # the reader being measured, and since when
+
+    def cut(signum, frame):
+        """SIGTERM: enter the reader being measured as cut, with the seconds it had."""
+        if measuring:
+            results["models"][measuring["name"]] = {
+                "error": CUT, "seconds": round(time.perf_counter() - measuring["tic"], 1)}
+            atomic_write_json(out, results)
+        sys.exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, cut)
+    try:
+        for name in args.models.split(",") if args.models else full_readers():
+            if name in results["models"]:
+                print(name, "kept", flush=True)
+                continue
+            tic = time.perf_counter()
+            results["models"][name] = {"error": CUT}
+            atomic_write_json(out, results)  # what a command killed during this reader leaves
+            measuring.update(name=name, tic=tic)
+            try:
+                results["models"][name] = measure(name, args.device, seq_lens, steps,
+                                                  args.tiny,
+                                                  args.compile_mode if args.compile else None,
+                                                  args.compile and args.whole)
+            except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
+                results["models"][name] = {"error": f"{type(e).__name__}: {e}",
+                                           "traceback": traceback.format_exc(limit=-3)}
+            measuring.clear()
+            results["models"][name]["seconds"] = round(time.perf_counter() - tic, 1)
+            print(name, results["models"][name].get("epoch_seconds",
+                                                    results["models"][name].get("error")),
+                  flush=True)
+            atomic_write_json(out, results)  # after each reader: a command cut short keeps them
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     results["complete"] = True  # a command cut short leaves the file without it
     atomic_write_json(out, results)
     print(out)

@@ -1,8 +1,10 @@
 """The command line: one-line errors with exit status 2, official evaluation output."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -101,13 +103,35 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     out.write_text(json.dumps(dict(blocks, compile_whole=True, models=first["models"])))
     assert bringup.kept(out, blocks, "cpu") == {}
     assert set(bringup.kept(out, dict(blocks, compile_whole=True), "cpu")) == {"bidaf", "san"}
-    # A reader is entered as cut before its measurement: measured again on --resume, except
-    # when compiled whole (that its compilation outlasted the step is the finding).
-    cut = {"bidaf": {"error": bringup.CUT}}
+    # A reader is entered as cut before its measurement, and a SIGTERM adds its seconds
+    # (with the seconds it had): measured again on --resume, except when compiled whole and
+    # cut after WHOLE_FINAL_SECONDS (so long a compilation is the finding).
+    cut = {"bidaf": {"error": bringup.CUT, "seconds": bringup.WHOLE_FINAL_SECONDS}}
     out.write_text(json.dumps(dict(blocks, models=cut)))
     assert bringup.kept(out, blocks, "cpu") == {}
     out.write_text(json.dumps(dict(blocks, compile_whole=True, models=cut)))
     assert bringup.kept(out, dict(blocks, compile_whole=True), "cpu") == cut
+    cut["bidaf"]["seconds"] -= 1  # the step started with less than that left: tried again
+    out.write_text(json.dumps(dict(blocks, compile_whole=True, models=cut)))
+    assert bringup.kept(out, dict(blocks, compile_whole=True), "cpu") == {}
+
+
+def test_gpu_bringup_enters_the_reader_a_sigterm_cuts_with_its_seconds(tmp_path):
+    """A GPU session's step that runs out of time sends SIGTERM: the reader being measured is
+    left entered as cut, with the seconds it had."""
+    bringup = load_bringup()
+    out = tmp_path / "gpu.json"
+    proc = subprocess.Popen([sys.executable, bringup.__file__, "--device", "cpu", "--tiny",
+                             "--models", "qanet", "--out", str(out)])
+    deadline = time.time() + 120
+    while not (out.is_file() and json.loads(out.read_text())["models"]):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    entry = json.loads(out.read_text())["models"]["qanet"]
+    assert entry["error"] == bringup.CUT and entry["seconds"] >= 0
+    assert "complete" not in json.loads(out.read_text())
 
 
 def test_gpu_profile_times_and_profiles_a_step_tiny_on_cpu(tmp_path):
