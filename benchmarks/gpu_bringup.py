@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -86,7 +87,8 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int, infer: bool =
                                   infer=infer)
     rate = steps * cfg.batch_size / train_s
     return {"first_step_seconds": round(first_step, 2), "train_examples_per_s": round(rate, 1),
-            "infer_examples_per_s": infer_s and round(steps * cfg.batch_size / infer_s, 1),
+            "infer_examples_per_s": None if infer_s is None else
+            round(steps * cfg.batch_size / infer_s, 1),
             "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
 
 
@@ -132,11 +134,17 @@ def kept(out: Path, results: dict, device: str) -> dict:
     profile = "smoke" if results["tiny"] else "full"
     keys = overrides(device, results["tiny"], results["compile_mode"],
                      results.get("compile_whole", False))
+
+    def final(name: str, entry: dict) -> bool:
+        """Measured with today's config, or compiled whole and cut after long enough."""
+        if entry.get("error") == CUT:
+            return bool(results.get("compile_whole")) and \
+                entry.get("seconds", 0) >= WHOLE_FINAL_SECONDS
+        return "error" not in entry and entry.get("config_hash") == reader_hash(name, profile,
+                                                                                 keys)
+
     return {name: entry for name, entry in earlier.get("models", {}).items()
-            if entry.get("error") == CUT and results.get("compile_whole")
-            and entry.get("seconds", 0) >= WHOLE_FINAL_SECONDS
-            or "error" not in entry
-            and entry.get("config_hash") == reader_hash(name, profile, keys)}
+            if final(name, entry)}
 
 
 def main(argv=None) -> dict:
@@ -176,7 +184,7 @@ def main(argv=None) -> dict:
             results["models"][measuring["name"]] = {
                 "error": CUT, "seconds": round(time.perf_counter() - measuring["tic"], 1)}
             atomic_write_json(out, results)
-        sys.exit(128 + signum)
+        os._exit(128 + signum)  # at once: an exception raised here could be swallowed
 
     previous = signal.signal(signal.SIGTERM, cut)
     try:
@@ -185,9 +193,9 @@ def main(argv=None) -> dict:
                 print(name, "kept", flush=True)
                 continue
             tic = time.perf_counter()
+            measuring.update(name=name, tic=tic)
             results["models"][name] = {"error": CUT}
             atomic_write_json(out, results)  # what a command killed during this reader leaves
-            measuring.update(name=name, tic=tic)
             try:
                 results["models"][name] = measure(name, args.device, seq_lens, steps,
                                                   args.tiny,

@@ -144,11 +144,11 @@ class Session:
     def on_file(self, name: str, chip: bool = False) -> dict | None:
         """This device's benchmark file ``name``: written by this command, else on file; with
         ``chip``, else one on file for another GPU on its chip (:func:`queue.chip_mates`)."""
-        for device in (self.device, *(queue.chip_mates(self.device) if chip else ())):
-            for folder in (self.work / "results", self.results):
-                path = folder / name.format(device=slug(device))
-                if path.is_file():
-                    return json.loads(path.read_text(encoding="utf-8"))
+        for folder in (self.work / "results", self.results):
+            path = queue.chip_file(folder, name, self.device) if chip else \
+                folder / name.format(device=slug(self.device))
+            if path is not None and path.is_file():
+                return json.loads(path.read_text(encoding="utf-8"))
         return None
 
     def left(self) -> float:
