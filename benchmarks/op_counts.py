@@ -12,8 +12,10 @@ the CPU, where no GPU is needed: one forward and backward of the reader (the opt
 weight average are left out, as on CUDA they are fused into a few kernels) on a synthetic
 batch of the full profile's batch size, each operation that reaches an ATen kernel counted
 once, views and other metadata-only operations apart. A CUDA step launches about the counted
-operations (plus bf16 casts, minus what its kernels fuse, such as dropout), so the count tracks
-changes that cut launches, with one exception: the CPU runs a GRU one time step at a time
+operations (plus bf16 casts, minus what its kernels fuse, such as dropout, plus the copy inside
+each out-of-place ``masked_fill``, which ATen makes before filling in place: ``hidden_copies``,
+in the H100 profile the ``cudaMemcpyAsync`` calls within the GPU), so the count tracks changes
+that cut launches, with one exception: the CPU runs a GRU one time step at a time
 (about ten operations per step), where cuDNN runs a whole layer in one call, so the counts of
 readers with a GRU (``gru_steps_on_cpu``) are far above what CUDA launches.
 
@@ -79,7 +81,8 @@ def count(name: str, seq_len: int, tiny: bool) -> dict:
     views = sum(n for op, n in counted.ops.items() if op in VIEWS)
     kernels = collections.Counter({op: n for op, n in counted.ops.items() if op not in VIEWS})
     return {"batch_size": batch_size, "seq_len": seq_len, "ops": sum(kernels.values()),
-            "views": views, "top": dict(kernels.most_common(8)),
+            "hidden_copies": kernels["masked_fill"], "views": views,
+            "top": dict(kernels.most_common(8)),
             "gru_steps_on_cpu": any(isinstance(m, torch.nn.GRU) for m in model.modules()),
             **graphs(lambda b: loss_of(model(b), b), batch)}
 

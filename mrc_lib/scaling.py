@@ -31,7 +31,14 @@ from mrc_lib.models import build_model
 from mrc_lib.models.bibosa import BiBloSABlock
 from mrc_lib.models.dynsa import DynSA
 from mrc_lib.models.dynsan import Baseline
-from mrc_lib.nn import RNN, EncoderBlock, MultiHeadSelfAttention, mask_logits, span_loss
+from mrc_lib.nn import (
+    RNN,
+    EncoderBlock,
+    MultiHeadSelfAttention,
+    mask_logits,
+    span_loss,
+    zero_padding,
+)
 from mrc_lib.train import device_name, resolve_device
 
 # Table 4's encoders: the hyperparameters that swap DynSAN's DynSA blocks for each rival.
@@ -55,7 +62,7 @@ class MaterializedSelfAttention(MultiHeadSelfAttention):
         scores = q @ k.transpose(-1, -2) / math.sqrt(D // self.heads)
         h = torch.softmax(mask_logits(scores, mask[:, None, None, :]), dim=-1) @ v
         h = self.out(h.transpose(1, 2).reshape(B, L, D))
-        return h.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return zero_padding(h, mask)
 
 
 def materialize(model: nn.Module) -> nn.Module:

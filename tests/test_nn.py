@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mrc_lib.errors import UserError
 from mrc_lib.nn import (
@@ -42,6 +43,7 @@ from mrc_lib.nn import (
     sinusoidal_positions,
     span_loss,
     window_conv,
+    zero_padding,
 )
 
 
@@ -81,6 +83,54 @@ def test_mask_logits_uses_most_negative_finite_value():
     out = mask_logits(x, mask)
     assert torch.equal(out[mask], x[mask])
     assert (out[~mask] == torch.finfo(torch.float32).min).all()
+
+
+class OpNames(TorchDispatchMode):
+    """The ATen operations dispatched under it, in order, views apart."""
+
+    VIEWS = {"view", "unsqueeze", "expand", "transpose", "t", "detach", "permute", "reshape"}
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ not in self.VIEWS:
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_zero_padding_equals_masked_fill_in_one_operation_each_way():
+    """The rows at padding positions become 0, as ``masked_fill(~mask, 0)`` gives, values and
+    gradients, for a mask of the leading dimensions or of ``x``'s rank; one multiplication
+    forward and one backward, where masked_fill dispatches a negation and a fill that copies
+    its input first (two kernels on a GPU) forward, and a fill backward."""
+    x = torch.randn(2, 5, 3, 4, requires_grad=True)
+    mask = lengths_mask([5, 2])
+    rows = mask[:, :, None, None]
+    for m, full in ((mask, rows), (rows, rows), (mask[:, None, None, :4], mask[:, None, None, :4])):
+        ref_x = x.detach().clone().requires_grad_()
+        seed = torch.randn(2, 5, 3, 4)
+        with OpNames() as ops:
+            y = zero_padding(x, m)
+            (y * seed).sum().backward()
+        ref = ref_x.masked_fill(~full, 0.0)
+        (ref * seed).sum().backward()
+        assert torch.equal(y, ref) and torch.equal(x.grad, ref_x.grad)
+        # zero_padding's one multiplication each way, and the loss's y · seed and its gradient
+        assert ops.names.count("mul") == 4 and "masked_fill" not in ops.names
+        x.grad = None
+
+
+def test_encoder_block_zeroes_padding_without_masked_fill():
+    """QANet's block masks its convolutions' inputs and outputs, its attention's output and its
+    own output by multiplication (:func:`zero_padding`): no masked_fill, forward or backward."""
+    block = EncoderBlock(8, num_convs=2, kernel_size=3, heads=2, layer_dropout=0.1).train()
+    mask = lengths_mask([6, 3])
+    with OpNames() as ops:
+        block(torch.randn(2, 6, 8), mask).sum().backward()
+    assert "masked_fill" not in ops.names
+    assert ops.names.count("bitwise_not") == 1  # the attention's keys of an all-padding row
 
 
 def test_masked_softmax_matches_reference_and_zeroes_padding():

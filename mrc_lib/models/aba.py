@@ -52,7 +52,14 @@ from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
 from mrc_lib.inference import to_device
-from mrc_lib.nn import CoAttention, TrilinearSimilarity, decode_span, mask_logits, span_loss
+from mrc_lib.nn import (
+    CoAttention,
+    TrilinearSimilarity,
+    decode_span,
+    mask_logits,
+    span_loss,
+    zero_padding,
+)
 
 LAMBDAS = ("paper", "shared_scalar")
 ORDERS = ("paper", "newest_first")
@@ -85,7 +92,7 @@ def question_side(a: Tensor, attn: Tensor, c_mask: Tensor) -> Tensor:
     ``a`` is ``[B, Lc, d]``, ``attn`` the base context-to-query map ``ā`` ``[B, Lc, Lq]`` (rows
     sum to 1 over the question); returns ``[B, Lq, d]``, zero at padded question words.
     """
-    weights = attn.masked_fill(~c_mask.unsqueeze(2), 0.0)
+    weights = zero_padding(attn, c_mask)
     weights = weights / weights.sum(dim=1, keepdim=True).clamp_min(torch.finfo(a.dtype).tiny)
     return weights.transpose(1, 2) @ a
 

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from mrc_lib.models.dynsa import LocalEncoder
-from mrc_lib.nn import masked_softmax
+from mrc_lib.nn import masked_softmax, zero_padding
 
 DIRECTIONS = ("fw", "bw")
 
@@ -164,6 +164,6 @@ class BiBloSABlock(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor) -> tuple[Tensor, None]:
         u = self.local(x, mask)
-        x = u.masked_fill(~mask.unsqueeze(-1), 0.0)
+        x = zero_padding(u, mask)
         y = x + self.dropout(self.out(self.blosa(x, mask)))
-        return y.masked_fill(~mask.unsqueeze(-1), 0.0), None
+        return zero_padding(y, mask), None

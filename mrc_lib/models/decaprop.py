@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from mrc_lib.errors import UserError
 from mrc_lib.models import register
 from mrc_lib.models.rnet import Affinity, BiRNNPointer, InputEncoder, MatchingCore
-from mrc_lib.nn import RNN, context_to_query
+from mrc_lib.nn import RNN, context_to_query, zero_padding
 
 COMPRESSORS = ("fm", "linear", "nonlinear")
 CORE_CONNECTORS = ("eq9", "12n")
@@ -98,7 +98,7 @@ class BAC(nn.Module):
         """Eq. 3 for one side: ``[B, L, 3]``, zero at padding."""
         inputs = (torch.cat([attended, x], dim=-1), attended - x, attended * x)
         g = torch.stack([G(self.dropout(v)) for G, v in zip(self.G, inputs)], dim=-1)
-        return g.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return zero_padding(g, mask)
 
     def forward(self, p: Tensor, q: Tensor, p_mask: Tensor,
                 q_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mrc_lib.nn import DepthwiseSeparableConv
+from mrc_lib.nn import DepthwiseSeparableConv, zero_padding
 
 SELECTIONS = ("gate", "random")
 
@@ -84,7 +84,7 @@ def chosen_attention(q: Tensor, k: Tensor, v: Tensor, chosen: Tensor) -> Tensor:
     # backend); its outputs are zeroed just below.
     keys = chosen | ~chosen.any(dim=-1, keepdim=True)
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=keys.unsqueeze(-2))
-    return a.masked_fill(~chosen.unsqueeze(-1), 0.0)
+    return zero_padding(a, chosen)
 
 
 class HeadLinear(nn.Module):
@@ -168,7 +168,7 @@ class DynSA(nn.Module):
         """Eq. 1: ``G = σ(F^G(F^U(U)))`` ``[B, L, H]``, 0 at padding (``None`` without gate)."""
         if self.f_g is None:
             return None
-        return torch.sigmoid(self.f_g(f_u)).masked_fill(~mask.unsqueeze(-1), 0.0)
+        return zero_padding(torch.sigmoid(self.f_g(f_u)), mask)
 
     def attend(self, u: Tensor, scores: Tensor, mask: Tensor) -> Tensor:
         """Selection and Eq. 2: ``A*_h`` ``[B, H, L, d]``, zero at the unchosen positions."""
@@ -193,4 +193,4 @@ class DynSA(nn.Module):
             z = z * (g_h / g_max).unsqueeze(-1)
         y = self.f_y(z.transpose(1, 2).reshape(B, L, D))  # F^Y([Z_1; ...; Z_H])
         y = u + self.dropout(y)  # Eq. 5
-        return y.masked_fill(~mask.unsqueeze(-1), 0.0), g
+        return zero_padding(y, mask), g

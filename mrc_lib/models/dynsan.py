@@ -59,7 +59,15 @@ from mrc_lib.models import register
 from mrc_lib.models.bibosa import BiBloSABlock
 from mrc_lib.models.dynsa import DynSA, gate_penalty
 from mrc_lib.models.inputs import InputEmbedding
-from mrc_lib.nn import RNN, CoAttention, EncoderBlock, add_positions, mask_logits, masked_softmax
+from mrc_lib.nn import (
+    RNN,
+    CoAttention,
+    EncoderBlock,
+    add_positions,
+    mask_logits,
+    masked_softmax,
+    zero_padding,
+)
 
 BLOCKS = ("dynsa", "bilstm", "fullsan", "bibosa")
 ANALYSIS_EXAMPLES = 32  # Figure 4: the first 32 dev questions
@@ -122,7 +130,7 @@ class PassageLayout:
         y = y.unflatten(0, (B, M))
         b = torch.arange(B, device=y.device).unsqueeze(1)
         out = y[b, self.passage, self.position]
-        return out.masked_fill(~self.mask.view(*self.mask.shape, *[1] * (out.dim() - 2)), 0.0)
+        return zero_padding(out, self.mask)
 
 
 class Baseline(nn.Module):

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
 from mrc_lib.models import register
-from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax
+from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax, zero_padding
 
 TOKENWISE = ("bilinear", "additive", "dot")
 SCORINGS = ("bitwise", *TOKENWISE, "multihead")
@@ -151,7 +151,7 @@ class MemoryWrite(nn.Module):
         e_tiled = e.unsqueeze(1).expand_as(M)  # e ⊗ r_m
         G = torch.sigmoid(self.W_e(e_tiled) + self.W_m(M))  # Eq. 9
         M_next = G * e_tiled + (1 - G) * M  # Eq. 10
-        return M_next.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return zero_padding(M_next, mask)
 
 
 def occurrences(doc_forms: Tensor, doc_mask: Tensor, cand_forms: Tensor) -> Tensor:

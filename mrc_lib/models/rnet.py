@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from mrc_lib.data.vocab import UNK  # the word id of words without an embedding of their own
 from mrc_lib.errors import UserError
 from mrc_lib.models import register
-from mrc_lib.nn import RNN, WordEmbedding, c2q_attention, mask_logits
+from mrc_lib.nn import RNN, WordEmbedding, c2q_attention, mask_logits, zero_padding
 
 GATES = ("p", "concat")
 N_INPUT_FEATURES = 2  # DecaProp Sec. 3.1: a binary match feature and a normalized frequency
@@ -60,7 +60,7 @@ class CharRNN(nn.Module):
     def forward(self, chars: Tensor, mask: Tensor) -> Tensor:
         words = chars.flatten(0, 1)  # [B·L, W]
         final = self.rnn.final_states(self.embed(words), words != 0)  # [B·L, 2·hidden]
-        return final.view(*mask.shape, self.out_dim).masked_fill(~mask.unsqueeze(-1), 0.0)
+        return zero_padding(final.view(*mask.shape, self.out_dim), mask)
 
 
 def passage_frequency(q_words: Tensor, c_words: Tensor, c_mask: Tensor) -> Tensor:
@@ -146,7 +146,7 @@ class GatedAttention(nn.Module):
                 q_mask: Tensor) -> tuple[Tensor, Tensor]:
         """``P'`` ``[B, Lp, 2·hidden]`` and the attention weights ``[B, Lp, Lq]`` (zero rows at
         padded passage positions)."""
-        a = c2q_attention(self.affinity(p, q), q_mask).masked_fill(~p_mask.unsqueeze(-1), 0.0)
+        a = zero_padding(c2q_attention(self.affinity(p, q), q_mask), p_mask)
         pb = torch.cat([p, a @ q], dim=-1)  # [P; P̄], Eqs. 6-7
         gated = p if self.gate_on == "p" else pb
         return self.rnn(torch.sigmoid(self.gate(pb)) * gated, p_mask), a  # Eq. 8

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from mrc_lib.models import register
 from mrc_lib.models.aba import ABAReader
-from mrc_lib.nn import RNN, LockedDropout, WordEmbedding, mask_logits, masked_softmax
+from mrc_lib.nn import RNN, LockedDropout, WordEmbedding, mask_logits, masked_softmax, zero_padding
 
 
 class FeedForward2(nn.Sequential):
@@ -163,7 +163,7 @@ class SAN(ABAReader):
         """``Uᵖ = [Hᵖ; H^q C]`` with ``C = dropout(ReLU(W₃ H^q) · ReLU(W₃ Hᵖ))`` normalised over
         the question, and that map ``[B, Lc, Lq]``."""
         scores = self.dropout(F.relu(self.W3(h_p)) @ F.relu(self.W3(h_q)).transpose(1, 2))
-        attn = masked_softmax(scores, q_mask.unsqueeze(1)).masked_fill(~c_mask.unsqueeze(2), 0.0)
+        attn = zero_padding(masked_softmax(scores, q_mask.unsqueeze(1)), c_mask)
         return torch.cat([h_p, attn @ h_q], dim=-1), attn
 
     def memory(self, u: Tensor, c_mask: Tensor) -> Tensor:

@@ -19,6 +19,7 @@ from mrc_lib.nn.attention import (
     masked_softmax,
     query_to_context,
     query_to_context_dcn,
+    zero_padding,
 )
 from mrc_lib.nn.conv import (
     DepthwiseSeparableConv,
@@ -63,4 +64,5 @@ __all__ = [
     "sinusoidal_positions",
     "window_conv",
     "span_loss",
+    "zero_padding",
 ]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mrc_lib.nn.attention import MultiHeadSelfAttention
+from mrc_lib.nn.attention import MultiHeadSelfAttention, zero_padding
 
 
 class DepthwiseSeparableConv(nn.Module):
@@ -28,9 +28,9 @@ class DepthwiseSeparableConv(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if mask is not None:
-            x = x.masked_fill(~mask.unsqueeze(-1), 0.0)
+            x = zero_padding(x, mask)
         y = self.activation(conv_over_time(self.pointwise, conv_over_time(self.depthwise, x)))
-        return y if mask is None else y.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return y if mask is None else zero_padding(y, mask)
 
 
 def conv_over_time(conv: nn.Conv1d, x: Tensor) -> Tensor:
@@ -172,4 +172,4 @@ class EncoderBlock(nn.Module):
                 x = torch.addcmul(x, gates[l], self.dropout(y))
             else:
                 x = x + self.dropout(y)
-        return x.masked_fill(~mask.unsqueeze(-1), 0.0)
+        return zero_padding(x, mask)

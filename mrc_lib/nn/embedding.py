@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mrc_lib.nn.attention import zero_padding
 from mrc_lib.nn.conv import conv_over_time
 
 PAD, UNK = 0, 1  # the vocabulary's ids (mrc_lib.data.vocab)
@@ -71,7 +72,7 @@ class CharCNN(nn.Module):
         x = self.dropout(self.embed(chars))  # [B*L, W, char_dim]
         h = torch.relu(conv_over_time(self.conv, x))  # [B*L, W, out_dim]
         # ReLU outputs are >= 0, so filling padding with 0 leaves the max over real chars intact.
-        h = h.masked_fill((chars == PAD).unsqueeze(-1), 0.0)
+        h = zero_padding(h, chars != PAD)
         return h.amax(dim=1).view(B, L, -1)
 
 

@@ -4,6 +4,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.errors import UserError
+from mrc_lib.nn.attention import zero_padding
 
 CELLS = {"lstm": nn.LSTM, "gru": nn.GRU}
 
@@ -102,7 +103,7 @@ class RNN(nn.Module):
         out = torch.cat(outputs, dim=-1) if self.concat_layers else outputs[-1]
         last = take(outputs[-1], (lengths - 1).clamp(min=0))[:, 0]  # [B, (2)h]
         final = torch.cat([last[:, :h], outputs[-1][:, 0, h:]], -1) if self.bidirectional else last
-        return (out.masked_fill(~mask.unsqueeze(-1), 0.0),
+        return (zero_padding(out, mask),
                 final.masked_fill(lengths == 0, 0.0))
 
 
