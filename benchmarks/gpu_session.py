@@ -101,6 +101,10 @@ RUNNER_EXIT = 15  # for `queue run` to print its table and exit
 # session's second command, the packing and the exit after the runner took 9 s). `queue run`'s
 # own default, 60 s, is for use by hand.
 TRAINER_RESERVE = 30
+# How the session's runs are computed (queue run --set; a later --set of the session wins): the
+# runner's folder lasts one command, where a checkpoint is worth writing only when a deadline
+# cuts a run (it is then carried on), not at each epoch's end.
+RUNNER_SETTINGS = ("epoch_checkpoints=false",)
 COMPILE_MODELS = "qanet,dynsan"  # launch-bound at the first bring-up (how_to_reproduce.md)
 # Those two and PhaseCond, which stands for the recurrent readers in bf16 whose H200 rate is the
 # same at 140 and 400 tokens (IA, SAN, BiDAF++): what fixes their steps' time?
@@ -273,7 +277,8 @@ def train_argv(s: Session, budget: float) -> list[str]:
             "--out", str(s.args.runner), "--parallel", str(parallel(s)),
             "--carry-mib", f"{s.carry:g}",
             "--file", str(s.args.queue_file), "--profile", s.args.profile,
-            *(f"--only={p}" for p in s.args.only or []), *(f"--set={v}" for v in s.args.set)]
+            *(f"--only={p}" for p in s.args.only or []),
+            *(f"--set={v}" for v in (*RUNNER_SETTINGS, *s.args.set))]
 
 
 STEPS = [

@@ -103,8 +103,12 @@ class TrainConfig:
         pad_multiple: pad each training batch's context, question and passage lengths up to a
             multiple of this (1: to the batch's longest), so that a few shapes recur; outputs at
             the real positions are unchanged, only the extra padding costs work.
-        checkpoint_every: also write a checkpoint every this many steps (one is always written
-            at the end of each epoch); ``None``: only at epoch ends.
+        checkpoint_every: also write a checkpoint every this many steps; ``None``: only at
+            epoch ends (and when a deadline stops the run).
+        epoch_checkpoints: write a checkpoint at the end of each epoch. Off, a run writes one
+            only every ``checkpoint_every`` steps and when a deadline stops it: what a GPU
+            session's runner needs, whose run folders last one command (a finished run's
+            checkpoint is never carried on, a cut run's is written when it is cut).
         log_every: write the mean training loss to ``log.jsonl`` every this many steps.
         max_answer_len: longest answer span, in tokens, considered by the decoder.
     """
@@ -145,6 +149,7 @@ class TrainConfig:
     compile_whole: bool = False
     pad_multiple: int = 1
     checkpoint_every: int | None = None
+    epoch_checkpoints: bool = True
     log_every: int = 50
     max_answer_len: int = 15
 

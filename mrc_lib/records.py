@@ -38,7 +38,7 @@ SCHEMA = 1
 # checkpointed, logged and evaluated in batches), left out of the hash so that a GPU run's
 # record serves a CPU re-execution of its chapter.
 UNHASHED = ("device", "compile", "compile_mode", "compile_whole", "pad_multiple",
-            "checkpoint_every", "log_every", "eval_batch_size")
+            "checkpoint_every", "epoch_checkpoints", "log_every", "eval_batch_size")
 REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests", "dev",
             "history", "device")
 # A measurement's record (kind MEASUREMENT, :mod:`mrc_lib.measurements`) holds these instead.

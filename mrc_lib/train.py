@@ -13,7 +13,8 @@ A run lives in one directory ``OUT``:
 * ``checkpoint.pt``: everything needed to resume exactly (trainable weights, averaged weights,
   optimizer, schedule, random-number states, position in the data, history; not the fixed GloVe
   rows, which are rebuilt from the data), written atomically every ``checkpoint_every`` steps,
-  at each epoch end and when a ``deadline`` stops the run, as a manifest and parts of at most
+  at each epoch end (unless ``epoch_checkpoints`` is off) and when a ``deadline`` stops the
+  run, as a manifest and parts of at most
   15 MiB, packed losslessly to about 0.84 of its size (:func:`mrc_lib.checkpoint.save_checkpoint`);
 * ``metrics.json``, ``predictions.json`` (``na_prob.json`` for readers with a no-answer head),
   ``model.pt`` (averaged weights) and, for the SQuAD tasks, ``vocab/``: the latest epoch's
@@ -66,8 +67,9 @@ from mrc_lib.tasks import get_task
 from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
 
 # Config keys that may differ when a run is resumed; any other change is refused.
-RESUMABLE_CHANGES = {"epochs", "max_steps", "checkpoint_every", "log_every", "eval_batch_size",
-                     "device", "compile", "compile_mode", "pad_multiple"}
+RESUMABLE_CHANGES = {"epochs", "max_steps", "checkpoint_every", "epoch_checkpoints", "log_every",
+                     "eval_batch_size", "device", "compile", "compile_mode", "compile_whole",
+                     "pad_multiple"}
 
 
 # --- weight averaging and learning-rate schedule -----------------------------------------------
@@ -584,7 +586,8 @@ class Trainer:
         if finished:
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
         self._log({"event": "epoch", **record})
-        self._checkpoint()
+        if self.cfg.epoch_checkpoints:
+            self._checkpoint()
         if self.process.is_main and self._finished_all():
             self.analysis = self._analysis()
         self.summary = self.metrics()

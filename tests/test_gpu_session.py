@@ -10,7 +10,7 @@ import tarfile
 import time
 from argparse import Namespace
 
-from mrc_lib import records
+from mrc_lib import queue, records
 from mrc_lib.bench import full_readers
 from mrc_lib.config import resolve_config
 
@@ -224,6 +224,20 @@ def test_a_cut_compile_step_goes_on_from_the_file_it_left(tmp_path):
     argv = whole.argv(s, 300)
     assert argv[argv.index("--compile-mode") + 1] == "reduce-overhead" and "--whole" in argv
     assert argv[argv.index("--seq-len") + 1] == "140,400" and "--whole" not in step.argv(s, 180)
+
+
+def test_the_sessions_runs_write_no_epoch_checkpoints_unless_told(tmp_path):
+    """The runner's folder lasts one command: its trainers checkpoint only when the deadline
+    cuts them (RUNNER_SETTINGS), a setting the queue accepts (hash-free); the session's own
+    ``--set`` comes after, so it wins."""
+    s = session(tmp_path / "w", tiny=False, runner=tmp_path / "runner")
+    s.args.set, s.args.parallel, s.args.queue_file, s.args.profile = [], 2, "q.yaml", "full"
+    s.carry = 55.9
+    sets = [a.removeprefix("--set=") for a in gs.train_argv(s, 300) if a.startswith("--set=")]
+    assert sets == ["epoch_checkpoints=false"] and queue.check_settings(sets)
+    s.args.set = ["epoch_checkpoints=true"]
+    sets = [a.removeprefix("--set=") for a in gs.train_argv(s, 300) if a.startswith("--set=")]
+    assert sets == ["epoch_checkpoints=false", "epoch_checkpoints=true"]
 
 
 def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, monkeypatch):

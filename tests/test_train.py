@@ -612,6 +612,35 @@ def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkey
         assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
 
 
+def test_without_epoch_checkpoints_only_a_deadline_writes_one_and_the_resume_is_exact(
+        tmp_path, data, monkeypatch):
+    """``epoch_checkpoints=false`` (a GPU session's runner): a finished run leaves no
+    checkpoint; a run cut in its second epoch has the deadline's, and resuming it (the setting
+    may change on resume) ends where the uninterrupted run with epoch checkpoints ends."""
+    cfg = toy_config(epochs=2, checkpoint_every=None)
+    whole = engine.train(cfg, tmp_path / "whole", data=data)
+    quiet = toy_config(epochs=2, checkpoint_every=None, epoch_checkpoints=False)
+    done = engine.train(quiet, tmp_path / "quiet", data=data)
+    assert done["complete"] and not (tmp_path / "quiet" / "checkpoint.pt").exists()
+    assert (done["dev"], done["history"][-1]["train_loss"]) == \
+        (whole["dev"], whole["history"][-1]["train_loss"])
+    # Into the second epoch, where a loss flush ends (log_every=2), so that the epoch's mean
+    # loss is summed in the same order as the uninterrupted run's.
+    stop_at = whole["steps"] // 2 + 2
+    steps = iter(range(1, 100))
+    monkeypatch.setattr(engine.time, "time", lambda: next(steps))
+    cut = engine.train(quiet, tmp_path / "cut", data=data, deadline=stop_at)
+    monkeypatch.undo()
+    assert not cut["complete"] and len(cut["history"]) == 1
+    state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
+    assert state["progress"]["global_step"] == stop_at
+    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
+    for key in ("dev", "best_dev", "steps"):
+        assert resumed[key] == whole[key]
+    for a, b in zip(resumed["history"], whole["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+
+
 @pytest.mark.parametrize("model, hparams", [
     ("bidaf", {"hidden": 8, "char_channels": 8}),
     ("qanet", {"d_model": 8, "heads": 2, "model_blocks": 1, "char_dim": 4, "char_channels": 8}),
