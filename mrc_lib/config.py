@@ -13,7 +13,9 @@ dict-valued field. Unknown keys and ill-typed values are :class:`~mrc_lib.errors
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -235,6 +237,20 @@ def read_mapping(path: Path, what: str, of: str = "config keys") -> dict:
     return values
 
 
+def profile_sections(path: Path) -> dict:
+    """A profile file's sections (:func:`read_mapping`), parsed once while the file is
+    unchanged: loading the queue resolves every run's config, which read each profile file
+    hundreds of times. A copy, so that no caller changes the parsed one."""
+    stat = path.stat() if path.is_file() else None
+    key = (stat.st_mtime_ns, stat.st_size) if stat else None
+    return copy.deepcopy(_parsed_profile(path, key))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_profile(path: Path, key: tuple | None) -> dict:
+    return read_mapping(path, "profile")
+
+
 def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
@@ -251,7 +267,7 @@ def profile_values(profile: str, model: str) -> dict:
         raise UserError(f"unknown profile {profile!r}; known: {', '.join(available_profiles())}")
     models = set()
     for path in profile_files(profile):
-        sections = read_mapping(path, "profile")
+        sections = profile_sections(path)
         if model in sections:
             values = _merge(sections.get("defaults") or {}, sections[model] or {})
             _check_keys(values, f"{path} [{model}]")

@@ -271,6 +271,23 @@ def test_bad_profiles_and_files_are_user_errors(tmp_path):
     assert parse_override("hparams.a.b=[1, 2]") == {"hparams": {"a": {"b": [1, 2]}}}
 
 
+def test_a_profile_file_is_parsed_once_while_unchanged_and_each_caller_gets_a_copy(tmp_path):
+    """Loading the queue resolves every run's config; each profile file is parsed once (per
+    modification time and size), and a caller that changes what it got changes no one else's."""
+    from mrc_lib.config import profile_sections
+
+    path = tmp_path / "p.yaml"
+    path.write_text("bidaf: {hparams: {hidden: 8}}\n")
+    first = profile_sections(path)
+    first["bidaf"]["hparams"]["hidden"] = 99
+    assert profile_sections(path) == {"bidaf": {"hparams": {"hidden": 8}}}
+    path.write_text("bidaf: {hparams: {hidden: 16, char_dim: 4}}\n")  # another size
+    assert profile_sections(path)["bidaf"]["hparams"] == {"hidden": 16, "char_dim": 4}
+    path.unlink()
+    with pytest.raises(UserError, match="cannot read profile"):
+        profile_sections(path)
+
+
 # --- checkpoints -------------------------------------------------------------------------------
 
 
