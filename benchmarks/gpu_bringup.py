@@ -53,10 +53,12 @@ sys.path.insert(0, str(ROOT))
 
 from mrc_lib import records  # noqa: E402
 from mrc_lib.bench import (  # noqa: E402
+    SPEED_REVISION,
     SQUAD_TRAIN_EXAMPLES,
     full_readers,
     overrides,
     reader_hash,
+    same_code,
     setup,
     time_steps,
 )
@@ -106,6 +108,7 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
         torch.cuda.reset_peak_memory_stats(dev)
     result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
               "config_hash": records.config_hash(cfg.to_dict()),
+              "speed_revision": SPEED_REVISION,
               "params": count_parameters(model), "speed": {}}
     for k, seq_len in enumerate(seq_lens):
         result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k), s.optimizer,
@@ -125,7 +128,7 @@ SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_whole
 
 def kept(out: Path, results: dict, device: str) -> dict:
     """The readers of a cut file ``out`` to keep: measured under ``results``' settings, without
-    an error, and with the config hash each has today."""
+    an error, with the config hash each has today and today's code (:data:`SPEED_REVISION`)."""
     if not out.is_file():
         return {}
     earlier = json.loads(out.read_text(encoding="utf-8"))
@@ -140,8 +143,8 @@ def kept(out: Path, results: dict, device: str) -> dict:
         if entry.get("error") == CUT:
             return bool(results.get("compile_whole")) and \
                 entry.get("seconds", 0) >= WHOLE_FINAL_SECONDS
-        return "error" not in entry and entry.get("config_hash") == reader_hash(name, profile,
-                                                                                 keys)
+        return "error" not in entry and same_code(entry) and \
+            entry.get("config_hash") == reader_hash(name, profile, keys)
 
     return {name: entry for name, entry in earlier.get("models", {}).items()
             if final(name, entry)}

@@ -30,7 +30,8 @@ of ``--seq-len`` context tokens (:mod:`mrc_lib.bench`), after warm-up steps:
 
 A reader that fails is reported with its error and the others still run. The result goes to
 ``benchmarks/results/profile_<device>.json`` (or ``--out``), rewritten after each reader and
-marked ``"complete": true`` at the end. ``--tiny`` uses the smoke profile's shrunk readers and
+marked ``"complete": true`` at the end, with the readers' code revision
+(:data:`mrc_lib.bench.SPEED_REVISION`). ``--tiny`` uses the smoke profile's shrunk readers and
 batches of 2: it checks the script, not the speed.
 """
 
@@ -48,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mrc_lib.bench import _seconds, overrides, setup  # noqa: E402
+from mrc_lib.bench import SPEED_REVISION, _seconds, overrides, setup  # noqa: E402
 from mrc_lib.train import device_name, resolve_device, train_step  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
@@ -118,7 +119,8 @@ def main(argv=None) -> dict:
     out = Path(args.out or ROOT / "benchmarks" / "results" / f"profile_{slug(device)}.json")
     seq_len, steps = (16, 1) if args.tiny else (args.seq_len, args.steps)
     results = {"device": device, "torch": torch.__version__, "cuda": torch.version.cuda,
-               "tiny": args.tiny, "steps": steps, "models": {}}
+               "speed_revision": SPEED_REVISION, "tiny": args.tiny, "steps": steps,
+               "models": {}}
     for name in args.models.split(","):
         try:
             results["models"][name] = measure(name, args.device, seq_len, steps, args.tiny,

@@ -35,6 +35,12 @@ from mrc_lib.train import (
 from mrc_lib.utils import atomic_write_json
 
 SQUAD_TRAIN_EXAMPLES = 87_599
+# The readers' code as their speed knows it, recorded in each bring-up entry and profile file:
+# a change that makes a step faster or slower without changing any config raises it, and a GPU
+# session then measures the eager bring-up and the profile again (benchmarks/gpu_session.py).
+# 1: the first bring-ups and the first profile (2026-11-24 to 26); 2: padding zeroed by one
+# multiplication (mrc_lib.nn.zero_padding) instead of masked_fill's negation, copy and fill.
+SPEED_REVISION = 2
 QUESTION_LEN = 30
 WORD_CHARS = 16  # the data pipeline truncates words to 16 characters
 WARMUP_STEPS = 3
@@ -184,6 +190,12 @@ def overrides(device: str, tiny: bool = False, compile_mode: str | None = None,
         keys += ["compile=true", f"compile_mode={compile_mode}"] + \
             (["compile_whole=true"] if whole else [])
     return keys
+
+
+def same_code(measured: dict) -> bool:
+    """Whether a speed measurement (a bring-up entry, a profile file) was made of the readers'
+    code of today (:data:`SPEED_REVISION`; one without the field is of revision 1)."""
+    return measured.get("speed_revision", 1) == SPEED_REVISION
 
 
 def reader_hash(model_name: str, profile: str = "full", overrides: Sequence[str] = ()) -> str:

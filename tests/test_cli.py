@@ -93,6 +93,11 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     assert result["models"]["bidaf"]["seconds"] == -1.0  # kept
     assert result["models"]["san"]["config_hash"] == first["models"]["san"]["config_hash"]
     assert result["models"]["san"]["seconds"] >= 0 and "error" not in result["models"]["qanet"]
+    out.write_text(json.dumps(cut))
+    assert set(bringup.kept(out, cut, "cpu")) == {"bidaf"}
+    older = {k: v for k, v in cut["models"]["bidaf"].items() if k != "speed_revision"}
+    out.write_text(json.dumps(dict(cut, models={"bidaf": older})))
+    assert bringup.kept(out, cut, "cpu") == {}  # measured of older code: again
     out.write_text(json.dumps(dict(cut, steps=5)))  # other settings: nothing is kept
     again = bringup.main(["--device", "cpu", "--tiny", "--models", "bidaf", "--resume",
                           "--out", str(out)])

@@ -11,7 +11,7 @@ import time
 from argparse import Namespace
 
 from mrc_lib import queue, records
-from mrc_lib.bench import full_readers
+from mrc_lib.bench import SPEED_REVISION, full_readers
 from mrc_lib.config import resolve_config
 
 from .test_cli import load_bringup
@@ -116,15 +116,31 @@ def test_bringup_runs_again_when_a_readers_config_changed(tmp_path):
     s = session(tmp_path / "w", tiny=False, results=results)
     assert gs.bringup_skip(s) is None  # nothing on file
     models = {name: {"config_hash": records.config_hash(
-        resolve_config(name, profile="full").to_dict())} for name in full_readers()}
+        resolve_config(name, profile="full").to_dict()), "speed_revision": SPEED_REVISION}
+        for name in full_readers()}
     path = results / "gpu_cpu.json"
     path.write_text(json.dumps({"models": models}))
     assert gs.bringup_skip(s) is None  # cut short: no "complete"
     path.write_text(json.dumps({"models": models, "complete": True}))
-    assert gs.bringup_skip(s) == "every reader's bring-up matches its config"
+    assert gs.bringup_skip(s) == "every reader's bring-up matches its config and code"
+    del models["san"]["speed_revision"]  # measured of the code before revision 2
+    path.write_text(json.dumps({"models": models, "complete": True}))
+    assert gs.bringup_skip(s) is None
+    models["san"]["speed_revision"] = SPEED_REVISION
     models["bidaf"]["config_hash"] = "another"
     path.write_text(json.dumps({"models": models, "complete": True}))
     assert gs.bringup_skip(s) is None
+
+
+def test_the_profile_runs_again_for_another_revision_of_the_readers_code(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    s = session(tmp_path / "w", tiny=False, results=results)
+    profile = {"device": "cpu", "complete": True, "speed_revision": SPEED_REVISION}
+    (results / "profile_cpu.json").write_text(json.dumps(profile))
+    assert gs.profile_skip(s) == "on file"
+    (results / "profile_cpu.json").write_text(json.dumps(dict(profile, speed_revision=1)))
+    assert gs.profile_skip(s) is None
 
 
 def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_path):
@@ -146,7 +162,8 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
         (results / name).write_text(json.dumps({"device": "NVIDIA H200"}))  # cut: not whole
         assert steps[step].skip(s) is None
         (results / name).write_text(json.dumps({"device": "NVIDIA H200", "complete": True,
-                                                "recommended_parallel": 3}))
+                                                "recommended_parallel": 3,
+                                                "speed_revision": SPEED_REVISION}))
         assert steps[step].skip(s) == "on file for the NVIDIA H200 (the same chip)"
     assert gs.parallel(s) == 3
     (results / "packing_nvidia_h100_80gb_hbm3.json").write_text(json.dumps(
