@@ -520,7 +520,9 @@ class Trainer:
         run before anything else is written, so the last checkpoint stays the last good one."""
         if not self.pending:
             return
-        losses = torch.stack(self.pending).float().cpu()
+        # In float64 the sum of float32 losses is exact, so the epoch's sum does not depend
+        # on where flushes fall: a run cut at a deadline and resumed sums as one run does.
+        losses = torch.stack(self.pending).double().cpu()
         self.pending.clear()
         bad = (~torch.isfinite(losses)).nonzero()
         if len(bad):
