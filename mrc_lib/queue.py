@@ -284,23 +284,47 @@ def pending(jobs: list[Job], out: Path, profile: str = "full") -> list[Job]:
 def work(job: Job, out: Path, deadline: float | None, profile: str = "full",
          settings: tuple[str, ...] = ()) -> dict:
     """Train ``job`` in ``out/<chapter>/<run>`` until it ends or ``deadline``; write its
-    ``status.json`` and its record under ``out/records`` (partial until it is complete)."""
+    ``status.json`` and its record under ``out/records`` (partial until it is complete).
+    The status also gives the times (``time.time()``) at which the worker began, had its data
+    and its trainer ended, and the record's ``wall_seconds`` (training and evaluation alone):
+    the runner's log (:func:`run_queue`) shows from them where a worker's time went."""
     from mrc_lib.train import load_data, train
 
+    began = time.time()
     cfg = job.config(profile, settings)
     folder = out / job.entry.chapter / job.name
-    metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(),
-                    data=load_data(cfg), deadline=deadline)
+    data = load_data(cfg)
+    loaded = time.time()
+    metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(), data=data,
+                    deadline=deadline)
+    trained = time.time()
+    record = records.make_record(metrics, chapter=job.entry.chapter, run=job.name,
+                                 log_path=folder / "log.jsonl")
     fraction = 1.0 if metrics["complete"] else progress(metrics["steps"],
                                                          metrics["epochs_run"], cfg)
-    atomic_write_json(folder / "status.json", {"complete": metrics["complete"],
-                                               "steps": metrics["steps"],
-                                               "epochs_run": metrics["epochs_run"],
-                                               "fraction": fraction})
+    atomic_write_json(folder / "status.json", {
+        "complete": metrics["complete"], "steps": metrics["steps"],
+        "epochs_run": metrics["epochs_run"], "fraction": fraction,
+        "times": {"began": began, "loaded": loaded, "trained": trained},
+        "wall_seconds": record["wall_seconds"]})
     records.write_record(records.record_path(job.entry.chapter, job.name, out / "records"),
-                         records.make_record(metrics, chapter=job.entry.chapter, run=job.name,
-                                             log_path=folder / "log.jsonl"))
+                         record)
     return metrics
+
+
+def worker_times(status: dict | None, started: float, ended: float) -> str:
+    """Where a worker started at ``started`` and seen ended at ``ended`` spent its time, from
+    its ``status`` (:func:`work`): Python's start and the queue (``start``), the data, the
+    trainer (building the reader, its steps, evaluations, checkpoints and analysis; the
+    record's ``wall_seconds`` are its steps and evaluations) and what came after (the record,
+    the exit); empty without the times (a worker that failed)."""
+    times = (status or {}).get("times")
+    if not times or times["began"] < started:  # none, or an earlier command's
+        return ""
+    return (f"; worker {ended - started:.1f} s: start {times['began'] - started:.1f}, data "
+            f"{times['loaded'] - times['began']:.1f}, trainer "
+            f"{times['trained'] - times['loaded']:.1f} (wall_seconds "
+            f"{status['wall_seconds']:.1f}), after {ended - times['trained']:.1f}")
 
 
 def progress(steps: int, epochs_run: int, cfg) -> float:
@@ -324,6 +348,7 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
     todo = pending(jobs, out, profile)
     carry = None if carry_mib is None else Carry(out, int(carry_mib * 2**20), profile)
     running: dict[str, tuple[subprocess.Popen, object]] = {}
+    started: dict[str, float] = {}  # time.time() at each worker's start
     codes: dict[str, int] = {}
     out.mkdir(parents=True, exist_ok=True)
     while todo or running:
@@ -338,6 +363,7 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
             folder = out / job.entry.chapter / job.name
             folder.mkdir(parents=True, exist_ok=True)
             log_file = open(folder / "worker.log", "ab")  # noqa: SIM115 (closed when it ends)
+            started[job.key] = time.time()
             running[job.key] = (subprocess.Popen(
                 [sys.executable, "-m", "mrc_lib", "queue", "work", "--out", str(out),
                  "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
@@ -351,10 +377,12 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
                 codes[key] = proc.returncode
                 log_file.close()
                 del running[key]
+                job = find_job(jobs, key)
+                now = time.time()
                 log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
                     f"(exit {proc.returncode}; log {out / key / 'worker.log'}) "
-                    f"at {time.time() - began:.0f} s")
-                job = find_job(jobs, key)
+                    f"at {now - began:.0f} s"
+                    + worker_times(progress_of(job, out), started[key], now))
                 if carry is not None and state_of(job, out, profile)[0] == "done":
                     carry.release(job)
     for job in todo:

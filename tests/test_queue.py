@@ -70,6 +70,16 @@ def test_a_bad_entry_is_a_one_line_error_naming_file_and_entry(tmp_path, entry, 
     assert main(["queue", "--file", path]) == 2
 
 
+def test_worker_times_split_a_workers_seconds_from_its_status():
+    status = {"times": {"began": 102.0, "loaded": 103.5, "trained": 140.0},
+              "wall_seconds": 31.25}
+    assert queue.worker_times(status, 100.0, 141.0) == (
+        "; worker 41.0 s: start 2.0, data 1.5, trainer 36.5 (wall_seconds 31.2), after 1.0")
+    assert queue.worker_times(status, 110.0, 141.0) == ""  # an earlier command's status
+    assert queue.worker_times(None, 100.0, 141.0) == ""  # a worker that failed early
+    assert queue.worker_times({"complete": False}, 100.0, 141.0) == ""
+
+
 def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, tiny_queue,
                                                              capsys, monkeypatch):
     jobs = queue.load_queue(tiny_queue)
@@ -114,8 +124,12 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     # Each start and end says when, in seconds since the call began.
     assert [re.sub(r" \(.*\)", "", line) for line in lines[:2]] == [
         f"start {seed0.key} at 0 s", f"start {seed1.key} at 0 s"]
-    assert all(re.fullmatch(r"(start|ended) \S+ \(.*\) at \d+ s", line) for line in lines)
+    assert all(re.fullmatch(r"(start|ended) \S+ \(.*\) at \d+ s(; .*)?", line) for line in lines)
     assert sorted(line.split()[0] for line in lines) == ["ended", "ended", "start", "start"]
+    # ... and each end where the worker's time went, from its status.json.
+    phases = r"; worker [\d.]+ s: start [\d.]+, data [\d.]+, trainer [\d.]+ \(wall_seconds " \
+             r"[\d.]+\), after [\d.]+"
+    assert all(re.search(phases + "$", line) for line in lines if line.startswith("ended"))
     done = [json.loads((out / "records" / "tq" / f"bidaf_seed{s}.json").read_text())
             for s in (0, 1)]
     reference = json.loads(json.dumps(whole))
