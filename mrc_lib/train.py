@@ -63,13 +63,13 @@ from mrc_lib.errors import UserError
 from mrc_lib.inference import autocast, predict_spans, to_device
 from mrc_lib.models import build_model, effective_hparams
 from mrc_lib.nn.embedding import WordEmbedding
+from mrc_lib.records import UNHASHED
 from mrc_lib.tasks import get_task
 from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
 
-# Config keys that may differ when a run is resumed; any other change is refused.
-RESUMABLE_CHANGES = {"epochs", "max_steps", "checkpoint_every", "epoch_checkpoints", "log_every",
-                     "eval_batch_size", "device", "compile", "compile_mode", "compile_whole",
-                     "pad_multiple"}
+# Config keys that may differ when a run is resumed; any other change is refused: those that
+# change how a run is computed, not what (the keys its record's hash leaves out), and its length.
+RESUMABLE_CHANGES = {"epochs", "max_steps", *UNHASHED}
 
 
 # --- weight averaging and learning-rate schedule -----------------------------------------------
