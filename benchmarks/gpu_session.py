@@ -16,19 +16,22 @@ the time on what is still missing for this GPU, in this order:
 6. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
 
 Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
-and ``session.json``, one entry per step) and the runner folder's bundle 1, ``b1``: every
-record, measurements included, and the partial runs that the next session can resume. A step is
-skipped when its result is already on file for this GPU, whole, and ``packing``, ``profile``
-and the compile steps also when it is for another GPU on the same chip
-(:data:`mrc_lib.queue.CHIPS`: the H100 and the H200 are both GH100, so an H100's first session
-trains after its bring-up where the H200 measured the rest); ``bringup`` and the compile
-steps go on from a file that a cut left without ``"complete": true`` (its readers are kept,
-the others measured). A step that fails or runs out of time is named in ``session.json``,
-and the next step still runs.
+and ``session.json``, one entry per step) and bundle 1 of the runner folder's carry-over,
+``b1``: every record, measurements included, and the partial runs that the next session can
+resume, as far as they fit; where the carry-over fills more bundles (``session.json`` says how
+many), ``send --bundle K`` writes bundle ``K`` to ``$OUT`` in a call of its own after the
+command, on the same warm machine. A step is skipped when its result is already on file for
+this GPU, whole, and ``packing``, ``profile`` and the compile steps also when it is for
+another GPU on the same chip (:data:`mrc_lib.queue.CHIPS`: the H100 and the H200 are both
+GH100, so an H100's first session trains after its bring-up where the H200 measured the
+rest); ``bringup`` and the compile steps go on from a file that a cut left without
+``"complete": true`` (its readers are kept, the others measured). A step that fails or runs
+out of time is named in ``session.json``, and the next step still runs.
 
     python benchmarks/gpu_session.py prepare --only '05_ea_reader/*'   # CPU side: the data
     python benchmarks/gpu_session.py run --out $OUT --only '05_ea_reader/*'   # the command
-    python benchmarks/gpu_session.py import FILES_AT                   # CPU side: into the repo
+    python benchmarks/gpu_session.py send --bundle 2 --out $OUT        # the next call, if told
+    python benchmarks/gpu_session.py import FILES_AT [FILES_AT_2 ...]  # CPU side: into the repo
     python benchmarks/gpu_session.py plan                # CPU side: which runs sessions can train
 
 ``prepare`` loads the selected runs' data here, where spaCy, the raw files and GloVe are,
@@ -37,18 +40,18 @@ reads, to ``.devcache/travel.tar.xz``. SQuAD's training texts stay behind (train
 reads them) unless a run on DynSAN's multi-passage SQuAD is selected: the GPU machine builds
 that from them. ``run`` unpacks that file into a cache of its own. A call carries 64 MiB,
 the tree included. ``prepare`` also moves the last session's carry-over, committed in
-``runs/inbox``, out of the tree to ``.devcache/inbox``, and names the calls (:func:`calls_for`):
-one carrying the data and the carry-over where both fit beside the tree, else a first call
-carrying the data alone (command ``true``) and the command's call carrying the carry-over; the
-warm machine keeps the data between the two. So what one call carries beside the tree (as
-measured by ``prepare``, plus :data:`GROWTH_MIB` for the records the import adds) is the
-carry-over this session may send on (:func:`carry_mib`, written to ``.devcache/travel.json``,
-which travels with the data), and its ``queue run`` starts a run that will be cut only while
-its checkpoint fits (``--carry-mib``). Import puts the next carry-over in ``runs/inbox``, or
-the one it was sent back there if nothing came back. ``plan``
-writes every queue run's checkpoint, data and fate under those limits to
-``benchmarks/results/session_plan.json``. ``--tiny`` is the script's own check (CI): small
-readers, the smoke profile, seconds per step.
+``runs/inbox`` as one folder per bundle, out of the tree to ``.devcache/inbox``, and names the
+calls (:func:`calls_for`): the data, then each bundle, as many to a call as fit beside the
+tree, the command going in the last; the warm machine keeps what the calls before it carried.
+So a bundle is what one call carries beside the tree (as measured by ``prepare``, plus
+:data:`GROWTH_MIB` for the records the import adds: :func:`carry_mib`), and the carry-over
+this session may send on is ``--bundles`` of them (:data:`CARRY_BUNDLES`; both written to
+``.devcache/travel.json``, which travels with the data); its ``queue run`` starts a run that
+will be cut only while its checkpoint fits (``--carry-mib``). Import puts the next carry-over
+in ``runs/inbox``, or the one it was sent back there if nothing came back; a run that was sent
+but did not come back whole goes on from where it was sent. ``plan`` writes every queue run's
+checkpoint, data and fate under those limits to ``benchmarks/results/session_plan.json``.
+``--tiny`` is the script's own check (CI): small readers, the smoke profile, seconds per step.
 """
 
 from __future__ import annotations
@@ -110,6 +113,13 @@ COMPILE_MODELS = "qanet,dynsan"  # launch-bound at the first bring-up (how_to_re
 # same at 140 and 400 tokens (IA, SAN, BiDAF++): what fixes their steps' time?
 PROFILE_MODELS = COMPILE_MODELS + ",phasecond"
 PY = sys.executable
+# The bundles a session's carry-over may fill (prepare --bundles): each is what one call
+# carries beside the tree, and costs a call each way (the command sends bundle 1 back, `send`
+# each other; the next session carries each in a call of its own) and its MiB in the history
+# of runs/inbox. One held every partial run of 18 queue entries (PhaseCond's, DynSAN's with
+# Bi-BloSA: checkpoints of 62-99 MiB) back from any session, and let a command cut only one or
+# two long runs at a time (checkpoints of 10-48 MiB); two carry them, and four runs of most.
+CARRY_BUNDLES = 2
 
 
 @dataclass
@@ -121,7 +131,8 @@ class Session:
     work: Path
     results: Path  # where this device's earlier results are read
     deadline: float
-    carry: float = queue.CARRY_MIB  # the MiB of runner folder that go on to the next session
+    carry: float = queue.CARRY_MIB  # the MiB of each bundle of the carry-over (carry_mib)
+    bundles: int = 1  # the bundles of runner folder that go on to the next session
     # Every step's log names each torch.compile recompilation and its cause: the compile
     # steps' first step at their second length (400 tokens) took 33-35 s on both chips, where
     # a CPU compiles QANet's blocks for 140 tokens and then no more.
@@ -281,7 +292,7 @@ def train_argv(s: Session, budget: float) -> list[str]:
     return [PY, "-m", "mrc_lib", "queue", "run", "--minutes", f"{minutes:.2f}",
             "--reserve", str(TRAINER_RESERVE),
             "--out", str(s.args.runner), "--parallel", str(parallel(s)),
-            "--carry-mib", f"{s.carry:g}",
+            "--carry-mib", f"{s.carry * s.bundles:g}",
             "--file", str(s.args.queue_file), "--profile", s.args.profile,
             *(f"--only={p}" for p in s.args.only or []),
             *(f"--set={v}" for v in (*RUNNER_SETTINGS, *s.args.set))]
@@ -346,26 +357,57 @@ def unpack_travel(path: Path, cache: Path) -> str:
 
 
 def pack_out(s: Session, out: Path) -> list[str]:
-    """Bundle 1 of the runner folder (every record, and what the next session resumes from)
-    and ``session.tar``. A partial run whose checkpoint does not fit bundle 1 could come back
-    but never be carried on, so none of it is sent."""
+    """Bundle 1 of the runner folder's carry-over (every record, and what the next session
+    resumes from) and ``session.tar``; ``session.json`` says how many bundles the carry-over
+    fills (:func:`send` writes the others). A partial run that does not fit the carry-over's
+    bundles whole could come back but never be carried on, so none of it is sent."""
     notes = []
     out.mkdir(parents=True, exist_ok=True)
+    bundles = 0
     try:  # session.tar is written whatever happens here
         if s.args.runner.is_dir():
-            left = queue.carry_over(s.args.runner, out / "b1", int(s.carry * 2**20))[1]
-            notes += [f"{unit} stays here: over the {s.carry:g} MiB carried on"
+            _, left, bundles = queue.carry_over(s.args.runner, out, int(s.carry * 2**20),
+                                                s.bundles, which=[1])
+            notes += [f"{unit} stays here: over the {s.carry * s.bundles:g} MiB carried on"
                       for unit in left]
+            if bundles > 1:
+                notes.append(f"the carry-over fills {bundles} bundles: send the others back, "
+                             "each in a call of its own: "
+                             + ", ".join(SEND.format(k=k) for k in range(2, bundles + 1)))
     except Exception as e:  # noqa: BLE001 (named in session.json)
         notes.append(f"packing the runner folder failed: {type(e).__name__}: {e}")
     atomic_write_json(s.work / "session.json", {
         "device": s.device, "started": s.args.started, "minutes": s.args.minutes,
-        "only": s.args.only, "carry_mib": s.carry, "steps": s.log, "notes": notes})
+        "only": s.args.only, "carry_mib": s.carry, "carry_bundles": s.bundles,
+        "bundles": bundles, "steps": s.log, "notes": notes})
     with tarfile.open(out / "session.tar", "w") as tar:
         for name in ("session.json", "results", "logs"):
             if (s.work / name).exists():
                 tar.add(s.work / name, arcname=name)
     return notes
+
+
+SEND = "`python benchmarks/gpu_session.py send --bundle {k} --out $OUT`"
+
+
+def send(args) -> list[Path]:
+    """``send``: bundle ``--bundle`` of the carry-over that the last command packed (its
+    ``session.json`` gives the bundles' size and count), into ``--out``; the runner folder has
+    not changed since, so the bundle belongs to the same pack as bundle 1."""
+    work = Path(args.work) / "session.json"
+    try:
+        summary = json.loads(work.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{work}: no session here (send runs after `run`, on the same "
+                        "machine)") from None
+    if not 2 <= args.bundle <= summary.get("bundles", 1):
+        raise UserError(f"{work}: the carry-over fills {summary.get('bundles', 1)} bundle(s); "
+                        f"bundle {args.bundle} is not one to send")
+    queue.carry_over(args.runner, Path(args.out), int(summary["carry_mib"] * 2**20),
+                     summary["bundles"], which=[args.bundle])
+    folder = queue.bundle_folder(Path(args.out), args.bundle)
+    print(f"{folder}: bundle {args.bundle} of {summary['bundles']}")
+    return sorted(folder.iterdir())
 
 
 def session(args) -> dict:
@@ -381,7 +423,8 @@ def session(args) -> dict:
                 Path(args.results), time.time() + 60 * args.minutes)
     try:  # without its data or carry-over a run fails or starts over; the benchmarks still run
         if args.travel and Path(args.travel).is_file():
-            s.carry = json.loads(travel_info(Path(args.travel)).read_text())["carry_mib"]
+            info = json.loads(travel_info(Path(args.travel)).read_text())
+            s.carry, s.bundles = info["carry_mib"], info.get("bundles", 1)
             s.env["MRC_CACHE_DIR"] = str(work / "cache")
             s.log.append({"step": "data",
                           "state": unpack_travel(Path(args.travel), work / "cache")})
@@ -480,26 +523,39 @@ def stored(path: Path) -> bytes:
 
 
 def carry_mib(tree: float) -> float:
-    """The MiB of runner folder that a session sends on to the next (bundle 1): what one call
-    carries, less the tree (``tree`` MiB now, and :data:`GROWTH_MIB` for what this session's
-    import adds). The data need not fit beside it: where the two do not fit one call, the data
-    goes to the warm machine in a call of its own first (:func:`calls_for`)."""
+    """The MiB of each bundle of runner folder that a session sends on to the next: what one
+    call carries, less the tree (``tree`` MiB now, and :data:`GROWTH_MIB` for what this
+    session's import adds). The data need not fit beside it: where the two do not fit one
+    call, the data goes to the warm machine in a call of its own first (:func:`calls_for`)."""
     mib = math.floor(10 * (TRAVEL_MIB - tree - GROWTH_MIB)) / 10
     return min(mib, queue.PACK_BUDGET / 2**20)  # and what comes back from one command
 
 
-def calls_for(travel: Path, travel_mib: float, staged: Path, staged_mib: float,
-              tree: float) -> list[list[str]]:
-    """The device tool's calls of a session, as the ``carry`` list of each: one, with the data
-    (``travel`` and its :func:`travel_info`) and the carry-over ``staged`` (if any), where
-    both fit beside the tree; else the data alone, then the carry-over with the command. A
-    warm machine keeps what an earlier call carried (a path that a call does not name)."""
-    data = [rel(travel), rel(travel_info(travel))]
-    if staged_mib == 0:
-        return [data]
-    if tree + travel_mib + staged_mib <= TRAVEL_MIB:
-        return [data + [rel(staged)]]
-    return [data, [rel(staged)]]
+def calls_for(travel: Path, travel_mib: float, staged: Path, tree: float) -> list[list[str]]:
+    """The device tool's calls of a session, as the ``carry`` list of each: the data
+    (``travel`` and its :func:`travel_info`) and each bundle of the carry-over ``staged`` (if
+    any), in that order, as many to a call as fit beside the tree, the command going in the
+    last. A warm machine keeps what an earlier call carried (a path that a call does not
+    name)."""
+    items = [([rel(travel), rel(travel_info(travel))], travel_mib)]
+    items += [([rel(folder)], folder_mib(folder)) for folder in bundles_in(staged)]
+    calls, room = [], 0.0
+    for paths, mib in items:
+        if not calls or mib > room:
+            calls.append([])
+            room = TRAVEL_MIB - tree
+        calls[-1] += paths
+        room -= mib
+    return calls
+
+
+def bundles_in(folder: Path) -> list[Path]:
+    """The bundles of a carry-over in ``folder`` (each a folder with its ``queue.json``)."""
+    return sorted({p.parent for p in folder.rglob("queue.json")}) if folder.is_dir() else []
+
+
+def folder_mib(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
 
 def rel(path: Path) -> str:
@@ -516,8 +572,7 @@ def stage_inbox(inbox: Path, staged: Path) -> float:
         shutil.rmtree(staged, ignore_errors=True)
         staged.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(inbox, staged)
-    files = [p for p in staged.rglob("*") if p.is_file()] if staged.is_dir() else []
-    return sum(p.stat().st_size for p in files) / 2**20
+    return folder_mib(staged) if staged.is_dir() else 0.0
 
 
 def carried(args) -> Path:
@@ -527,8 +582,8 @@ def carried(args) -> Path:
 
 
 def holds_bundles(folder: Path) -> bool:
-    """Whether ``folder`` holds a packed runner folder's bundles (a ``queue.json`` each)."""
-    return folder.is_dir() and any(folder.rglob("queue.json"))
+    """Whether ``folder`` holds a packed runner folder's bundles (:func:`bundles_in`)."""
+    return bool(bundles_in(folder))
 
 
 def travel_info(travel: Path) -> Path:
@@ -547,21 +602,21 @@ def prepare(args) -> Path:
     tree = tree_mib(args.inbox)
     carry = carry_mib(tree)
     staged = stage_inbox(args.inbox, Path(args.staged))
-    calls = calls_for(travel, mib, Path(args.staged), staged, tree)
+    calls = calls_for(travel, mib, Path(args.staged), tree)
     atomic_write_json(travel_info(travel), {"travel_mib": round(mib, 2), "tree_mib": round(
-        tree, 2), "growth_mib": GROWTH_MIB, "carry_mib": carry, "staged_mib": round(staged, 2),
-        "calls": calls, "only": args.only})
+        tree, 2), "growth_mib": GROWTH_MIB, "carry_mib": carry, "bundles": args.bundles,
+        "staged_mib": round(staged, 2), "calls": calls, "only": args.only})
     print(f"{travel} and {travel_info(travel).name}: {mib:.1f} MiB; the carry-over "
           f"{staged:.1f} MiB ({args.staged}); the tree {tree:.1f} MiB without them, and "
           f"{GROWTH_MIB:g} for the records the import adds; {TRAVEL_MIB} MiB a call; this "
-          f"session sends on at most {carry:g} MiB")
+          f"session sends on at most {args.bundles} bundle(s) of {carry:g} MiB")
     if tree + mib > TRAVEL_MIB:
         raise UserError(f"{travel}: {mib:.1f} MiB of data does not fit a call beside the "
                         f"{tree:.1f} MiB tree: select runs of fewer datasets with --only")
     for k, paths in enumerate(calls, 1):
         what = "the command" if k == len(calls) else "a call before it (command: true)"
         print(f"call {k} of {len(calls)}, {what}: carry {json.dumps(paths)}")
-    for job, size in queue.stranded(jobs, carry, args.profile):
+    for job, size in queue.stranded(jobs, carry * args.bundles, args.profile):
         print(f"never started: {job.key} (~{job.entry.minutes:g} min, longer than a command; "
               f"its {size / 2**20:.1f} MiB checkpoint does not fit the carry-over)")
     return travel
@@ -587,38 +642,52 @@ def plan(args) -> dict:
     runs, chapters = {}, {}
     scratch = Path(args.work) / "plan.tar.xz"
     tree = tree_mib(args.inbox)
-    carry = carry_mib(tree)
+    carry = carry_mib(tree) * args.bundles
     for group in groups.values():
         mib = write_travel(group, scratch, log=lambda line: None)
         for job in group:
             size = queue.checkpoint_size(job, args.profile)
             fate = queue.fate(job, size, carry)
+            history = history_mib(job, size)
             runs[job.key] = {"priority": job.priority, "minutes": job.entry.minutes,
                              "checkpoint_mib": round(size / 2**20, 1),
-                             "travel_mib": round(mib, 1), "carry_mib": carry, "fate": fate}
-            total = chapters.setdefault(job.entry.chapter, {"runs": 0, "minutes": 0.0})
+                             "travel_mib": round(mib, 1), "carry_mib": carry, "fate": fate,
+                             "history_mib": history}
+            total = chapters.setdefault(job.entry.chapter, {"runs": 0, "minutes": 0.0,
+                                                            "history_mib": 0.0})
             for key in ("runs", fate):
                 total[key] = total.get(key, 0) + 1
             for key in ("minutes", f"{fate}_minutes"):
                 total[key] = total.get(key, 0.0) + job.entry.minutes
+            total["history_mib"] = round(total["history_mib"] + history, 1)
             print(f"{job.key}: ~{job.entry.minutes:g} min, {size / 2**20:.1f} MiB, data "
                   f"{mib:.1f} MiB, carry-over {carry:g} MiB: {fate}", flush=True)
     scratch.unlink(missing_ok=True)
     result = {"what": FATES, "command_minutes": queue.COMMAND_MINUTES,
               "travel_mib": TRAVEL_MIB, "tree_mib": round(tree, 1), "growth_mib": GROWTH_MIB,
-              "profile": args.profile,
+              "bundles": args.bundles, "profile": args.profile,
               "runs": {key: runs[key] for key in sorted(runs)}, "chapters": chapters}
     atomic_write_json(args.plan, result)
     print(args.plan)
     return result
 
 
+def history_mib(job: queue.Job, size: int) -> float:
+    """The MiB that ``job``'s carry-overs add to the repository's history: its checkpoint
+    (``size`` bytes), committed in ``runs/inbox`` after each session that cuts it, one fewer
+    than the commands its estimate spans (:data:`mrc_lib.queue.COMMAND_MINUTES` each)."""
+    cuts = math.ceil(job.entry.minutes / queue.COMMAND_MINUTES) - 1
+    return round(cuts * size / 2**20, 1)
+
+
 FATES = ("each queue run's estimated H100 minutes; its checkpoint's MiB; the MiB of its data "
-         "file alone (prepare); the carry-over, what one call carries beside the tree (the "
-         "data goes to the warm machine in a call of its own where the two do not fit one); "
-         "and its fate in sessions of one command: command (it ends within one), carried (it "
-         "is longer and its checkpoint fits the carry-over: it resumes from session to "
-         "session) or stranded (neither: a session never starts it)")
+         "file alone (prepare); the carry-over, its bundles together (each what one call "
+         "carries beside the tree; the data goes to the warm machine in a call of its own "
+         "where it does not fit beside one); and its fate in sessions of one command: command "
+         "(it ends within one), carried (it is longer and its checkpoint fits the carry-over: "
+         "it resumes from session to session) or stranded (neither: a session never starts "
+         "it); and the MiB its carry-overs add to the history of runs/inbox, its checkpoint "
+         "once per session that cuts it (history_mib)")
 
 
 def unused(path: Path) -> Path:
@@ -630,16 +699,22 @@ def unused(path: Path) -> Path:
 
 
 def import_session(args) -> list[str]:
-    """``import``: keep what came back outside the repository, copy the benchmark files into
-    ``benchmarks/results``, unpack the bundles into the runner folder, import its records into
-    ``book/runs`` (and rewrite ``book/full_runs.md`` from them) and make ``runs/inbox`` the
-    carry-over of the next session."""
-    source = Path(args.source)
+    """``import``: keep what came back outside the repository (the command's reply, then each
+    ``send``'s), copy the benchmark files into ``benchmarks/results``, unpack the bundles into
+    the runner folder, import its records into ``book/runs`` (and rewrite
+    ``book/full_runs.md`` from them) and make ``runs/inbox`` the carry-over of the next
+    session."""
+    sources = [Path(source) for source in args.source]
     keep = Path(args.keep) if args.keep else unused(ROOT.parent / "back" / datetime.now(
         UTC).strftime("%Y%m%dT%H%M%S"))
-    if not (source / "session.tar").is_file():
-        raise UserError(f"{source}: no session.tar (not what `gpu_session.py run` wrote)")
-    shutil.copytree(source, keep, dirs_exist_ok=True)
+    if not (sources[0] / "session.tar").is_file():
+        raise UserError(f"{sources[0]}: no session.tar (not what `gpu_session.py run` wrote)")
+    for source in sources[1:]:
+        if (source / "session.tar").is_file():
+            raise UserError(f"{source}: another command's reply (import each command's on "
+                            "its own, the first first, with the sends that followed it)")
+    for source in sources:
+        shutil.copytree(source, keep, dirs_exist_ok=True)
     with tarfile.open(keep / "session.tar") as tar:
         tar.extractall(keep / "session", filter="data")
     summary = json.loads((keep / "session" / "session.json").read_text(encoding="utf-8"))
@@ -651,23 +726,25 @@ def import_session(args) -> list[str]:
     for path in sorted((keep / "session" / "results").glob("*.json")):
         shutil.copyfile(path, results / path.name)
         lines.append(f"benchmark {results / path.name}")
-    bundles = sorted(keep.glob("b[0-9]*"))
+    bundles = bundles_in(keep)
     staged = Path(args.staged)
     if not bundles and holds_bundles(staged) and not args.inbox.exists():
         shutil.move(staged, args.inbox)  # nothing came back: the carry-over sent still holds
         lines.append(f"no bundle came back: {args.inbox} is the carry-over that was sent")
     if bundles:
+        if holds_bundles(staged):  # where the session began: a run not back whole goes on
+            queue.unpack(bundles_in(staged), args.runner)  # from there
         names, left_out = queue.unpack(bundles, args.runner)
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)
         carry = summary.get("carry_mib", queue.CARRY_MIB)
         # The partial runs alone: book/runs, which travels with the tree, has every record.
-        kept = queue.carry_over(args.runner, args.inbox / "1", int(carry * 2**20),
-                                records=False)[0]
+        kept, _, n = queue.carry_over(args.runner, args.inbox, int(carry * 2**20),
+                                      summary.get("carry_bundles", 1), records=False)
         shutil.rmtree(staged, ignore_errors=True)  # the carry-over it was sent is spent
         if kept:
-            lines.append(f"carry-over {args.inbox / '1'}: commit it")
+            lines.append(f"carry-over {args.inbox} ({n} bundle(s)): commit it")
         else:
             shutil.rmtree(args.inbox)
             lines.append(f"no partial run: no carry-over ({args.inbox} removed)")
@@ -677,11 +754,16 @@ def import_session(args) -> list[str]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("action", choices=["prepare", "run", "import", "plan"])
-    p.add_argument("source", nargs="?", help="import: the folder the device tool's files lie in")
+    p.add_argument("action", choices=["prepare", "run", "send", "import", "plan"])
+    p.add_argument("source", nargs="*", help="import: the folders the device tool's files lie "
+                   "in, the command's first, then each send's")
     p.add_argument("--only", action="append", metavar="GLOB",
                    help="the queue runs to prepare and train (repeatable)")
-    p.add_argument("--out", help="run: where the files to take back go ($OUT)")
+    p.add_argument("--out", help="run, send: where the files to take back go ($OUT)")
+    p.add_argument("--bundle", type=int, default=2, help="send: which bundle of the "
+                   "carry-over")
+    p.add_argument("--bundles", type=int, default=CARRY_BUNDLES, help="prepare, plan: the "
+                   "bundles the carry-over may fill, each a call each way")
     p.add_argument("--minutes", type=float, default=8.5,
                    help="run: the session's wall clock, packing included")
     p.add_argument("--steps", default=",".join(step.name for step in STEPS),
@@ -708,10 +790,10 @@ def main(argv=None):
             return prepare(args)
         if args.action == "plan":
             return plan(args)
-        if args.action == "run":
+        if args.action in ("run", "send"):
             if not args.out:
-                p.error("run needs --out (the device tool's $OUT)")
-            return session(args)
+                p.error(f"{args.action} needs --out (the device tool's $OUT)")
+            return session(args) if args.action == "run" else send(args)
         if not args.source:
             p.error("import needs the folder the device tool's files lie in")
         lines = import_session(args)

@@ -53,7 +53,6 @@ from mrc_lib.errors import UserError
 from mrc_lib.utils import (
     atomic_write_bytes,
     atomic_write_json,
-    cut_parts,
     join_parts,
     select_keys,
     slug,
@@ -66,9 +65,10 @@ EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
 COMMAND_MINUTES = 9.0  # the most one GPU command trains (10 minutes, less start and pack)
-# What one command's runner folder may carry on to the next GPU session's (bundle 1) where its
-# data is not carried: a session with a data file takes what one call carries beside the tree
-# (benchmarks/gpu_session.py carry_mib: 56 MiB, the data going in a call of its own).
+# What one command's runner folder may carry on to the next GPU session's (one bundle) where
+# its data is not carried: a session with a data file takes what one call carries beside the
+# tree per bundle (benchmarks/gpu_session.py carry_mib: 56 MiB, the data going in a call of
+# its own), and CARRY_BUNDLES bundles.
 CARRY_MIB = 29
 LEFT_BEHIND = ("model.pt", "predictions.json", "na_prob.json", "vocab")  # rebuilt or not needed
 
@@ -247,16 +247,18 @@ def state_of(job: Job, out: Path | None, profile: str = "full",
 def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full",
                  plan: Path = PLAN) -> str:
     """One line per job, with its fate in GPU sessions of one command where ``plan``
-    (``benchmarks/gpu_session.py plan``) has it, then the GPU-minutes done and left."""
-    fates = {}
-    if plan.is_file():
-        fates = {k: v["fate"] for k, v in json.loads(plan.read_text())["runs"].items()}
+    (``benchmarks/gpu_session.py plan``) has it, then the GPU-minutes done and left, and what
+    the carry-overs of the runs left would add to the repository's history (the plan's
+    ``history_mib``, for the part of each run not done)."""
+    planned = json.loads(plan.read_text())["runs"] if plan.is_file() else {}
+    fates = {k: v["fate"] for k, v in planned.items()}
     lines = [f"{'state':9} {'prio':>4} {'min':>5}  {'fate':8}  run"]
-    done = left = 0.0
+    done = left = history = 0.0
     for job in sorted(jobs, key=lambda j: (j.entry.chapter, j.priority)):
         state, fraction = state_of(job, out, profile)
         done += job.entry.minutes * fraction
         left += job.entry.minutes * (1 - fraction)
+        history += planned.get(job.key, {}).get("history_mib", 0.0) * (1 - fraction)
         lines.append(f"{state:9} {job.priority:>4} {job.entry.minutes:>5.0f}  "
                      f"{fates.get(job.key, '-'):8}  {job.key}")
     counts = {s: sum(line.startswith(s) for line in lines[1:])
@@ -264,10 +266,13 @@ def status_table(jobs: list[Job], out: Path | None = None, profile: str = "full"
     stranded = [j for j in jobs if fates.get(j.key) == "stranded"]
     if stranded:
         lines.append(f"{len(stranded)} stranded ({sum(j.entry.minutes for j in stranded):.0f}"
-                     " min): longer than a GPU command, with checkpoints over the carry-over "
-                     f"({plan.name}); they need a GPU that keeps the runner folder")
+                     " min): longer than a GPU command, with checkpoints over the carry-over of "
+                     f"a session ({plan.name}: more bundles, or a GPU that keeps the runner "
+                     "folder)")
     lines.append(", ".join(f"{n} {s}" for s, n in counts.items()) +
-                 f"; GPU-minutes (H100, estimated) done {done:.0f}, left {left:.0f}")
+                 f"; GPU-minutes (H100, estimated) done {done:.0f}, left {left:.0f}" +
+                 (f"; their carry-overs add about {history / 1024:.1f} GiB to the history"
+                  if history else ""))
     return "\n".join(lines)
 
 
@@ -405,21 +410,24 @@ def startable(job: Job, out: Path, left: float, carry: Carry | None = None) -> b
 
     With ``carry`` (the folder reaches the next command only as its carry-over, on a machine
     that starts bare): a run whose estimate, less what it has done, fits what is left starts;
-    one that will be cut starts only if its checkpoint still fits the carry-over
-    (:meth:`Carry.take`). Cut with a checkpoint left behind, its minutes would be lost."""
+    one that will be cut starts only if it is longer than a command and its checkpoint still
+    fits the carry-over (:meth:`Carry.take`). Cut with a checkpoint left behind, its minutes
+    would be lost; a shorter run ends within the next session's command anyway, and carrying
+    its checkpoint would cost that session a call each way."""
     status = progress_of(job, out)
     if carry is None:
         return status is not None or job.entry.minutes > COMMAND_MINUTES or \
             job.entry.minutes <= left
     done = status["fraction"] if status is not None else 0.0
-    return job.entry.minutes * (1 - done) <= left or carry.take(job)
+    return job.entry.minutes * (1 - done) <= left or (
+        (status is not None or job.entry.minutes > COMMAND_MINUTES) and carry.take(job))
 
 
 class Carry:
-    """What the runner folder's carry-over (:func:`carry_over`, at most ``budget`` bytes)
-    holds when a command ends: its records, the partial runs it found, and each run the command
-    starts that will be cut, each with ``slack`` for what the command adds beside checkpoints
-    (records, logs, tar headers)."""
+    """What the runner folder's carry-over (:func:`carry_over`: its bundles, at most
+    ``budget`` bytes together) holds when a command ends: its records, the partial runs it
+    found, and each run the command starts that will be cut, each with ``slack`` for what the
+    command adds beside checkpoints (records, logs, tar headers)."""
 
     SLACK = 2**18
 
@@ -595,60 +603,90 @@ def _tar(out: Path, files: list[Path]) -> bytes:
     return buffer.getvalue()
 
 
-def pack(out: Path, dest: Path, bundle: int = 1, budget: int = PACK_BUDGET,
-         records: bool = True) -> tuple[list[Path], int]:
-    """Write bundle ``bundle`` of ``out``'s transfer into ``dest``; return the files written
-    and the number of bundles.
-
-    Each unit of :func:`_units` is a tar cut into pieces of at most 15 MiB,
-    ``queue.<unit>.<piece>``; the pieces, in order, fill bundles of at most ``budget`` bytes
-    (60 MiB: what may come back from the GPU machine per command, or carried to it beside the
-    cache), so a partial run larger than one command's transfer (PhaseCond's checkpoint packs
-    to about 95 MiB) travels over several. Every bundle holds ``queue.json``, the whole pack's
-    listing, so that :func:`unpack` can check that its bundles belong together. ``out`` must
-    not change between the commands that write one pack's bundles."""
-    listing, chunks, n_bundles, used = [], {}, 1, 0
+def _pack(out: Path, budget: int, records: bool) -> tuple[list[dict], dict[str, bytes]]:
+    """``out``'s transfer: each unit of :func:`_units` as a tar cut into pieces,
+    ``queue.<unit>.<piece>``, that fill bundles of ``budget`` bytes to the brim (a piece holds
+    at most 15 MiB and ends where its bundle does, so ``k`` bundles hold ``k * budget`` bytes
+    of units); returns the listing (per unit its pieces, each with its bundle) and the
+    pieces' bytes."""
+    listing, chunks, bundle, used = [], {}, 1, 0
     for k, (name, files) in enumerate(_units(out, records)):
         blob = _tar(out, files)
-        pieces = []
-        for piece, chunk in cut_parts(blob, f"queue.{k:03d}", PIECE_BYTES):
-            if used and used + piece["bytes"] > budget:
-                n_bundles, used = n_bundles + 1, 0
-            used += piece["bytes"]
-            pieces.append(piece | {"bundle": n_bundles})
+        pieces, start = [], 0
+        while start < len(blob) or not pieces:  # an empty unit is one empty piece
+            if used == budget:
+                bundle, used = bundle + 1, 0
+            chunk = blob[start:start + min(PIECE_BYTES, budget - used)]
+            piece = {"name": f"queue.{k:03d}.{len(pieces):03d}", "bytes": len(chunk),
+                     "sha256": hashlib.sha256(chunk).hexdigest(), "bundle": bundle}
+            pieces.append(piece)
             chunks[piece["name"]] = chunk
+            start, used = start + len(chunk), used + len(chunk)
         listing.append({"unit": name, "sha256": hashlib.sha256(blob).hexdigest(),
                         "pieces": pieces})
-    if not 1 <= bundle <= n_bundles:
-        raise UserError(f"{out}: its pack has {n_bundles} bundle(s); there is no bundle "
-                        f"{bundle}")
+    return listing, chunks
+
+
+def _last_bundle(unit: dict) -> int:
+    return max(piece["bundle"] for piece in unit["pieces"])
+
+
+def _write_bundle(dest: Path, listing: list[dict], chunks: dict[str, bytes], bundle: int,
+                  bundles: int, units: list[str] | None = None) -> list[Path]:
+    """Write bundle ``bundle`` of ``bundles`` into ``dest``: its pieces (of ``units`` only,
+    where given) and ``queue.json``, the whole listing."""
+    written = [p["name"] for unit in listing for p in unit["pieces"] if p["bundle"] == bundle
+               and (units is None or unit["unit"] in units)]
     dest.mkdir(parents=True, exist_ok=True)
-    written = [p["name"] for unit in listing for p in unit["pieces"] if p["bundle"] == bundle]
     for stale in dest.glob("queue.[0-9]*.[0-9]*"):
         if stale.name not in written:
             stale.unlink()
     for name in written:
         atomic_write_bytes(dest / name, chunks[name])
-    atomic_write_json(dest / "queue.json", {"bundles": n_bundles, "units": listing})
-    return [dest / "queue.json", *(dest / name for name in written)], n_bundles
+    atomic_write_json(dest / "queue.json", {"bundles": bundles, "units": listing})
+    return [dest / "queue.json", *(dest / name for name in written)]
 
 
-def carry_over(out: Path, dest: Path, budget: int,
-               records: bool = True) -> tuple[list[str], list[str]]:
-    """Bundle 1 of ``out``'s pack (:func:`pack`, ``records`` or not) in ``dest``, without the
-    pieces of any unit that does not fit it whole: what one command carries from a session to
-    the next, where nothing but bundle 1 travels. Returns the units kept (``records`` first)
-    and those left behind."""
-    pack(out, dest, 1, budget, records)
-    kept, left = [], []
-    for unit in json.loads((dest / "queue.json").read_text(encoding="utf-8"))["units"]:
-        if all(piece["bundle"] == 1 for piece in unit["pieces"]):
-            kept.append(unit["unit"])
-            continue
-        left.append(unit["unit"])
-        for piece in unit["pieces"]:
-            (dest / piece["name"]).unlink(missing_ok=True)
-    return kept, left
+def pack(out: Path, dest: Path, bundle: int = 1, budget: int = PACK_BUDGET,
+         records: bool = True) -> tuple[list[Path], int]:
+    """Write bundle ``bundle`` of ``out``'s transfer (:func:`_pack`: bundles of at most
+    ``budget`` bytes, 60 MiB being what may come back from the GPU machine per command) into
+    ``dest``; return the files written and the number of bundles. A partial run larger than
+    one command's transfer (PhaseCond's checkpoint packs to about 95 MiB) travels over
+    several. Every bundle holds ``queue.json``, the whole pack's listing, so that
+    :func:`unpack` can check that its bundles belong together. ``out`` must not change between
+    the commands that write one pack's bundles."""
+    listing, chunks = _pack(out, budget, records)
+    n_bundles = max(_last_bundle(unit) for unit in listing)
+    if not 1 <= bundle <= n_bundles:
+        raise UserError(f"{out}: its pack has {n_bundles} bundle(s); there is no bundle "
+                        f"{bundle}")
+    return _write_bundle(dest, listing, chunks, bundle, n_bundles), n_bundles
+
+
+def bundle_folder(dest: Path, k: int) -> Path:
+    """Where bundle ``k`` of a carry-over goes: ``dest/b<k>``."""
+    return dest / f"b{k}"
+
+
+def carry_over(out: Path, dest: Path, budget: int, bundles: int = 1, records: bool = True,
+               which: list[int] | None = None) -> tuple[list[str], list[str], int]:
+    """What one session sends on to the next: the units of ``out``'s pack (:func:`_pack`,
+    ``records`` or not, bundles of ``budget`` bytes) that fit its first ``bundles`` bundles
+    whole, as ``dest/b1``, ``dest/b2``... (:func:`bundle_folder`), one call each way per
+    bundle; ``which`` writes only those bundles (each GPU call sends back its own). Returns
+    the units kept (``records`` first), those left behind, and the bundles the kept ones
+    fill."""
+    listing, chunks = _pack(out, budget, records)
+    kept = [unit["unit"] for unit in listing if _last_bundle(unit) <= bundles]
+    left = [unit["unit"] for unit in listing if unit["unit"] not in kept]
+    used = max([_last_bundle(unit) for unit in listing if unit["unit"] in kept] or [1])
+    for k in which or range(1, used + 1):
+        if not 1 <= k <= used:
+            raise UserError(f"{out}: its carry-over has {used} bundle(s); there is no bundle "
+                            f"{k}")
+        _write_bundle(bundle_folder(dest, k), listing, chunks, k, used, kept)
+    return kept, left, used
 
 
 def unpack(sources: list[Path], out: Path) -> tuple[list[str], list[str]]:
@@ -872,9 +910,9 @@ def add_parser(sub) -> None:
                    help="run: how every run is computed, e.g. compile=true (only keys outside "
                    "the config hash)")
     s.add_argument("--carry-mib", type=float, default=None,
-                   help="run: --out reaches the next command only as its carry-over (bundle "
-                   "1, at most this many MiB): a run that will be cut starts only if its "
-                   "checkpoint still fits it")
+                   help="run: --out reaches the next command only as its carry-over (its "
+                   "bundles, at most this many MiB together): a run that will be cut starts "
+                   "only if it is longer than a command and its checkpoint still fits it")
     s.add_argument("--reserve", type=float, default=60.0,
                    help="seconds before the end at which trainers checkpoint and stop")
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)

@@ -10,6 +10,8 @@ import tarfile
 import time
 from argparse import Namespace
 
+import pytest
+
 from mrc_lib import queue, records
 from mrc_lib.bench import SPEED_REVISION, full_readers
 from mrc_lib.config import resolve_config
@@ -36,8 +38,9 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     info = json.loads(gs.travel_info(travel).read_text())  # carried beside the data
     carry = gs.carry_mib(gs.tree_mib(paths["inbox"]))  # 64 MiB less the tree and growth
     assert info["carry_mib"] == carry and info["growth_mib"] == gs.GROWTH_MIB
+    assert info["bundles"] == gs.CARRY_BUNDLES
     assert info["calls"] == [[str(travel), str(gs.travel_info(travel))]]  # no carry-over
-    assert f"this session sends on at most {carry:g} MiB" in said
+    assert f"this session sends on at most {gs.CARRY_BUNDLES} bundle(s) of {carry:g} MiB" in said
     assert "never started" not in said  # one minute: it ends within a command
 
     # The GPU machine has no raw data: the run reads only what was carried.
@@ -59,7 +62,9 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     assert len(back) <= 8 and (paths["out"] / "session.tar").is_file()
     assert (paths["out"] / "b1" / "queue.json").is_file()
     with tarfile.open(paths["out"] / "session.tar") as tar:  # what import carries on
-        assert json.load(tar.extractfile("session.json"))["carry_mib"] == carry
+        summary = json.load(tar.extractfile("session.json"))
+    assert summary["carry_mib"] == carry and summary["carry_bundles"] == gs.CARRY_BUNDLES
+    assert summary["bundles"] == 1  # the records alone
 
     book = tmp_path / "book" / "runs"
     monkeypatch.setattr(records, "BOOK_RUNS", book)
@@ -178,26 +183,30 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
     assert steps["packing"].skip(other) is None  # another chip
 
 
-def test_a_carry_over_too_large_beside_the_data_travels_in_a_call_of_its_own(tmp_path,
-                                                                             monkeypatch):
-    """``prepare`` moves the committed carry-over out of the tree and names the calls: one
-    where it fits beside the data, else the data first, then the carry-over with the command
-    (the warm machine keeps the data); ``run`` restores the moved one; an import that gets
-    nothing back puts it back, one that gets a bundle spends it."""
+def test_a_carry_over_too_large_beside_the_data_travels_in_calls_of_its_own(tmp_path,
+                                                                           monkeypatch):
+    """``prepare`` moves the committed carry-over out of the tree and names the calls: the
+    data, then each bundle, as many to a call as fit beside the tree, the command in the last
+    (the warm machine keeps what the others carried); ``run`` restores the moved one; an
+    import that gets nothing back puts it back, one that gets a bundle spends it."""
     inbox, staged = tmp_path / "inbox", tmp_path / "staged"
     assert gs.stage_inbox(inbox, staged) == 0  # nothing to carry on
-    (inbox / "1").mkdir(parents=True)
-    (inbox / "1" / "queue.json").write_text("{}")
-    (inbox / "1" / "queue.000.000").write_bytes(b"x" * 2**20)
+    for k in (1, 2):
+        (inbox / f"b{k}").mkdir(parents=True)
+        (inbox / f"b{k}" / "queue.json").write_text("{}")
+        (inbox / f"b{k}" / f"queue.000.00{k}").write_bytes(b"x" * 2**20)
     mib = gs.stage_inbox(inbox, staged)
-    assert not inbox.exists() and (staged / "1" / "queue.000.000").is_file() and 1 < mib < 1.01
+    assert not inbox.exists() and (staged / "b1" / "queue.000.001").is_file() and 2 < mib < 2.01
     assert gs.stage_inbox(inbox, staged) == mib  # a second prepare keeps what the first moved
     travel = tmp_path / "travel.tar.xz"
     data = [str(travel), str(tmp_path / "travel.json")]
-    assert gs.calls_for(travel, 20, staged, 30, 6.5) == [data + [str(staged)]]
-    assert gs.calls_for(travel, 20, staged, 50, 6.5) == [data, [str(staged)]]
-    assert gs.calls_for(gs.TRAVEL, 20, gs.STAGED, 50, 6.5) == [
-        [".devcache/travel.tar.xz", ".devcache/travel.json"], [".devcache/inbox"]]
+    b1, b2 = str(staged / "b1"), str(staged / "b2")
+    assert gs.calls_for(travel, 20, staged, 6.5) == [data + [b1, b2]]
+    assert gs.calls_for(travel, 20, staged, 42.5) == [data + [b1], [b2]]  # 21.5 MiB a call
+    assert gs.calls_for(travel, 20, staged, 43.5) == [data, [b1, b2]]
+    assert gs.calls_for(travel, 20, tmp_path / "none", 43.5) == [data]
+    assert [gs.rel(gs.TRAVEL), gs.rel(gs.STAGED / "b1")] == [  # as the device tool names them
+        ".devcache/travel.tar.xz", ".devcache/inbox/b1"]
     assert gs.carry_mib(6.5) == 56.0 and gs.carry_mib(0.1) == 60  # what comes back, at most
 
     monkeypatch.setattr(records, "BOOK_RUNS", tmp_path / "book" / "runs")  # the page's folder
@@ -207,12 +216,12 @@ def test_a_carry_over_too_large_beside_the_data_travels_in_a_call_of_its_own(tmp
         {"device": "cpu", "started": "now", "steps": []}))
     with tarfile.open(keep / "session.tar", "w") as tar:
         tar.add(keep / "session", arcname=".")
-    args = Namespace(source=str(keep), keep=str(tmp_path / "kept"), results=str(tmp_path),
+    args = Namespace(source=[str(keep)], keep=str(tmp_path / "kept"), results=str(tmp_path),
                      runner=tmp_path / "runner", inbox=inbox, staged=staged,
                      queue_file=str(write_queue(tmp_path, {"tq": []})))
     lines = gs.import_session(args)
     assert f"no bundle came back: {inbox} is the carry-over that was sent" in lines
-    assert (inbox / "1" / "queue.000.000").is_file() and not staged.exists()
+    assert (inbox / "b2" / "queue.000.002").is_file() and not staged.exists()
 
 
 def test_two_imports_in_one_second_keep_two_folders(tmp_path):
@@ -283,10 +292,10 @@ def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, mo
     assert lines[1] == "  train: done" and lines[-2].startswith("carry-over")
     assert (tmp_path / "here" / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
     back = tmp_path / "back"
-    gs.queue.unpack([inbox / "1"], back)  # what the next session starts from
+    gs.queue.unpack([inbox / "b1"], back)  # what the next session starts from
     assert (back / "ch" / "r" / "checkpoint.pt").read_bytes() == b"weights"
     # The records are in book/runs, which travels with the tree: not again in the inbox.
-    listing = json.loads((inbox / "1" / "queue.json").read_text())
+    listing = json.loads((inbox / "b1" / "queue.json").read_text())
     assert [unit["unit"] for unit in listing["units"]] == ["ch/r"]
     # The next prepare moves it out of the tree; the next command restores it from there.
     args = Namespace(inbox=inbox, staged=staged)
@@ -316,6 +325,62 @@ def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypa
             f"ch/large stays here: over the {s.carry:g} MiB carried on"]
 
 
+def test_a_carry_over_of_two_bundles_comes_back_in_two_calls_and_goes_on_in_two(
+        tmp_path, monkeypatch):
+    """A partial run larger than one call's carry-over (PhaseCond's checkpoint, 96 MiB) comes
+    back in bundles: the command sends bundle 1 and names the others, ``send`` writes each in a
+    call of its own, ``import`` takes the replies together and commits the carry-over as two
+    bundles, which the next session carries in two calls. A run that does not come back whole
+    goes on from the carry-over it was sent with."""
+    monkeypatch.setattr(gs.queue, "PIECE_BYTES", 20_000)
+    monkeypatch.setattr(records, "BOOK_RUNS", tmp_path / "book" / "runs")
+    runner = tmp_path / "runner"
+    for name, size in (("small", 10_000), ("large", 50_000)):
+        (runner / "ch" / name).mkdir(parents=True)
+        (runner / "ch" / name / "status.json").write_text(json.dumps({"complete": False}))
+        (runner / "ch" / name / "checkpoint.pt").write_bytes(bytes([len(name)]) * size)
+    s = session(tmp_path / "w", runner=runner)
+    s.carry, s.bundles = 50_000 / 2**20, 2  # tar pads each unit to 10 KiB
+    first, second = tmp_path / "reply1", tmp_path / "reply2"
+    notes = gs.pack_out(s, first)
+    assert notes == ["the carry-over fills 2 bundles: send the others back, each in a call "
+                     "of its own: " + gs.SEND.format(k=2)]
+    assert sorted(p.name for p in first.iterdir()) == ["b1", "session.tar"]
+    common = [f"--runner={runner}", f"--work={s.work}"]
+    files = gs.main(["send", "--bundle", "2", "--out", str(second), *common])
+    assert files[0].parent == second / "b2" and sum(f.stat().st_size for f in files) < 51_000
+    with pytest.raises(SystemExit):  # no third bundle
+        gs.main(["send", "--bundle", "3", "--out", str(tmp_path / "reply3"), *common])
+
+    inbox, staged = tmp_path / "inbox", tmp_path / "staged"
+    imported = ["--results", str(tmp_path), f"--inbox={inbox}", f"--staged={staged}",
+                "--queue-file", str(write_queue(tmp_path, {"tq": []}))]
+    with pytest.raises(SystemExit):  # two commands' replies are imported one by one
+        gs.main(["import", str(first), str(first), *imported])
+    lines = gs.main(["import", str(first), str(second), "--keep", str(tmp_path / "k1"),
+                     f"--runner={tmp_path / 'here'}", *imported])
+    assert f"carry-over {inbox} (2 bundle(s)): commit it" in lines
+    assert [p.name for p in gs.bundles_in(inbox)] == ["b1", "b2"]
+    gs.stage_inbox(inbox, staged)  # the next session: the data, then a call per bundle
+    assert gs.calls_for(tmp_path / "t.tar.xz", 0.5, staged, 64 - 0.56) == [
+        [str(tmp_path / "t.tar.xz"), str(tmp_path / "travel.json"), str(staged / "b1")],
+        [str(staged / "b2")]]
+    assert gs.queue.restore(tmp_path / "next", staged, log=lambda line: None)
+    assert (tmp_path / "next" / "ch" / "large" / "checkpoint.pt").read_bytes() == \
+        bytes([5]) * 50_000
+
+    # That session's runs go on, but only its first reply comes back: the large run, in
+    # both bundles, goes on from what was sent, on a CPU side that never held it.
+    (runner / "ch" / "large" / "checkpoint.pt").write_bytes(b"newer" * 10_000)
+    gs.pack_out(s, tmp_path / "reply4")
+    lines = gs.main(["import", str(tmp_path / "reply4"), "--keep", str(tmp_path / "k2"),
+                     f"--runner={tmp_path / 'fresh'}", *imported])
+    assert "not brought back: ch/large" in lines and not staged.exists()
+    back = tmp_path / "again"
+    gs.queue.unpack(gs.bundles_in(inbox), back)
+    assert (back / "ch" / "large" / "checkpoint.pt").read_bytes() == bytes([5]) * 50_000
+
+
 def test_session_tar_comes_back_when_packing_the_runner_fails(tmp_path):
     runner = tmp_path / "runner" / "ch" / "r"
     runner.mkdir(parents=True)
@@ -333,7 +398,7 @@ def test_plan_gives_each_queue_run_its_checkpoint_data_and_fate(mirror, tmp_path
     q = write_queue(tmp_path, {"tq": [
         {"run": run, "model": "bidaf", "priority": 1, "minutes": minutes, "schedule": "tiny",
          "overrides": TINY + hidden} for run, minutes, hidden in (
-            ("short", 4, []), ("long", 20, []), ("wide", 20, ["hparams.hidden=256"]))]})
+            ("short", 4, []), ("long", 20, []), ("wide", 20, ["hparams.hidden=320"]))]})
     out = tmp_path / "plan.json"
     result = gs.main(["plan", "--queue-file", q, "--plan", str(out),
                       f"--work={tmp_path / 'work'}"])
@@ -344,15 +409,24 @@ def test_plan_gives_each_queue_run_its_checkpoint_data_and_fate(mirror, tmp_path
                                                       "tq/wide": "stranded"}
     carry = runs["tq/long"]["carry_mib"]
     tree = gs.tree_mib(gs.INBOX)  # 64 MiB less the tree and what the import adds
-    assert 1 < carry and abs(carry - gs.carry_mib(tree)) < 0.11
+    assert result["bundles"] == gs.CARRY_BUNDLES  # of what one call carries beside the tree
+    assert 1 < carry and abs(carry - gs.CARRY_BUNDLES * gs.carry_mib(tree)) < 0.11
     # (one 0.1 MiB step of the floor apart at most: the other worker's tests write files)
     assert runs["tq/long"]["checkpoint_mib"] < carry < runs["tq/wide"]["checkpoint_mib"]
+    # Twenty minutes span three commands: a run's checkpoint is committed after two of them.
+    assert runs["tq/short"]["history_mib"] == 0
+    assert runs["tq/long"]["history_mib"] == pytest.approx(
+        2 * runs["tq/long"]["checkpoint_mib"], abs=0.1)
+    assert result["chapters"]["tq"].pop("history_mib") == pytest.approx(
+        runs["tq/long"]["history_mib"] + runs["tq/wide"]["history_mib"], abs=0.1)
     assert result["chapters"]["tq"] == {"runs": 3, "minutes": 44, "command": 1,
                                         "command_minutes": 4, "carried": 1,
                                         "carried_minutes": 20, "stranded": 1,
                                         "stranded_minutes": 20}
     table = gs.queue.status_table(gs.queue.load_queue(q), None, "full", plan=out)
     assert "stranded  tq/wide" in table and table.splitlines()[-2].startswith("1 stranded (20")
+    history = sum(run["history_mib"] for run in runs.values()) / 1024  # nothing is done yet
+    assert table.splitlines()[-1].endswith(f"about {history:.1f} GiB to the history")
 
     committed = json.loads(gs.queue.PLAN.read_text())
     assert set(committed["runs"]) == {j.key for j in gs.queue.load_queue()}

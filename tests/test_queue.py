@@ -241,7 +241,9 @@ def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
     bundles = []
     for k in range(1, n_bundles + 1):
         files, _ = queue.pack(out, tmp_path / f"b{k}", bundle=k, budget=31_000)
-        assert sum(f.stat().st_size for f in files[1:]) <= 31_000
+        size = sum(f.stat().st_size for f in files[1:])
+        assert size == 31_000 if k < n_bundles else size <= 31_000  # filled to the brim
+        assert all(f.stat().st_size <= 15_000 for f in files[1:])
         bundles.append(tmp_path / f"b{k}")
     with pytest.raises(UserError, match=f"no bundle {n_bundles + 1}"):
         queue.pack(out, tmp_path / "extra", bundle=n_bundles + 1, budget=31_000)
@@ -253,6 +255,18 @@ def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
     names, left_out = queue.unpack(bundles[::-1], tmp_path / "all")
     assert left_out == [] and "ch/b/checkpoint.pt.abc.000" in names
     assert (tmp_path / "all" / "ch" / "b" / "checkpoint.pt.abc.000").read_bytes() == \
+        (partial / "checkpoint.pt.abc.000").read_bytes()
+
+    # A carry-over of fewer bundles leaves the partial run behind, whole.
+    kept, left, used = queue.carry_over(out, tmp_path / "carry", 31_000, bundles=1)
+    assert (kept, left, used) == (["records"], ["ch/b"], 1)
+    assert queue.unpack([tmp_path / "carry" / "b1"], tmp_path / "c")[1] == ["ch/b"]
+    assert not (tmp_path / "c" / "ch" / "b").exists()
+    kept, left, used = queue.carry_over(out, tmp_path / "carry", 31_000, bundles=n_bundles)
+    assert (kept, left, used) == (["records", "ch/b"], [], n_bundles)
+    carried = [queue.bundle_folder(tmp_path / "carry", k) for k in range(1, used + 1)]
+    assert queue.unpack(carried, tmp_path / "d")[1] == []
+    assert (tmp_path / "d" / "ch" / "b" / "checkpoint.pt.abc.000").read_bytes() == \
         (partial / "checkpoint.pt.abc.000").read_bytes()
 
     (partial / "checkpoint.pt").write_bytes(b"n" * 100)  # the run moved on after bundle 1
@@ -427,8 +441,11 @@ def test_with_a_carry_over_a_run_that_will_be_cut_starts_only_if_its_checkpoint_
     assert queue.startable(long, out, left=4, carry=carry)  # held already
     assert not queue.startable(long2, out, left=4, carry=carry)  # cut, it would not fit too
     assert not queue.startable(short, out, left=3, carry=carry)
-    assert carry.refused == {"tq/long2": 10 * mib, "tq/short": 10 * mib}
+    assert carry.refused == {"tq/long2": 10 * mib}
     carry.release(long)
+    # A run within a command is not started to be cut: the next session's command ends it,
+    # where its checkpoint would have cost that session a call each way.
+    assert not queue.startable(short, out, left=3, carry=carry) and "tq/short" not in carry.held
     assert queue.startable(long2, out, left=4, carry=carry)
     # Longer than a command, with a checkpoint over the carry-over: never started.
     assert queue.stranded([short, long], 10.4) == [(long, 10 * mib)]
