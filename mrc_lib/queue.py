@@ -603,65 +603,65 @@ def _tar(out: Path, files: list[Path]) -> bytes:
     return buffer.getvalue()
 
 
-def _pack(out: Path, budget: int, records: bool) -> tuple[list[dict], dict[str, bytes]]:
-    """``out``'s transfer: each unit of :func:`_units` as a tar cut into pieces,
-    ``queue.<unit>.<piece>``, that fill bundles of ``budget`` bytes to the brim (a piece holds
-    at most 15 MiB and ends where its bundle does, so ``k`` bundles hold ``k * budget`` bytes
-    of units); returns the listing (per unit its pieces, each with its bundle) and the
-    pieces' bytes."""
-    listing, chunks, bundle, used = [], {}, 1, 0
-    for k, (name, files) in enumerate(_units(out, records)):
-        blob = _tar(out, files)
-        pieces, start = [], 0
-        while start < len(blob) or not pieces:  # an empty unit is one empty piece
-            if used == budget:
-                bundle, used = bundle + 1, 0
-            chunk = blob[start:start + min(PIECE_BYTES, budget - used)]
-            piece = {"name": f"queue.{k:03d}.{len(pieces):03d}", "bytes": len(chunk),
-                     "sha256": hashlib.sha256(chunk).hexdigest(), "bundle": bundle}
-            pieces.append(piece)
-            chunks[piece["name"]] = chunk
-            start, used = start + len(chunk), used + len(chunk)
-        listing.append({"unit": name, "sha256": hashlib.sha256(blob).hexdigest(),
-                        "pieces": pieces})
-    return listing, chunks
+def _layout(units: list[tuple[str, bytes]], budget: int) -> tuple[dict, bytes]:
+    """A transfer of ``units`` (name, tar): their tars one after another, a stream that fills
+    bundles of ``budget`` bytes to the brim, each cut into pieces of at most 15 MiB,
+    ``queue.<bundle>.<piece>``; so ``k`` bundles hold ``k * budget`` bytes of units, and a
+    bundle is at most four pieces and its listing, whatever the units' sizes (a reply brings
+    back eight files). Returns the listing (each unit's place in the stream and checksum,
+    each piece's bundle, place and checksum) and the stream."""
+    stream = b"".join(blob for _, blob in units)
+    listing = {"units": [], "pieces": []}
+    offset = 0
+    for name, blob in units:
+        listing["units"].append({"unit": name, "offset": offset, "bytes": len(blob),
+                                 "sha256": hashlib.sha256(blob).hexdigest()})
+        offset += len(blob)
+    starts = range(0, max(len(stream), 1), budget)
+    for bundle, start in enumerate(starts, 1):
+        end = min(start + budget, len(stream))
+        for k, first in enumerate(range(start, max(end, start + 1), PIECE_BYTES)):
+            chunk = stream[first:min(first + PIECE_BYTES, end)]
+            listing["pieces"].append({"name": f"queue.{bundle:03d}.{k:03d}", "bundle": bundle,
+                                      "offset": first, "bytes": len(chunk),
+                                      "sha256": hashlib.sha256(chunk).hexdigest()})
+    listing["bundles"] = len(starts)
+    return listing, stream
 
 
-def _last_bundle(unit: dict) -> int:
-    return max(piece["bundle"] for piece in unit["pieces"])
-
-
-def _write_bundle(dest: Path, listing: list[dict], chunks: dict[str, bytes], bundle: int,
-                  bundles: int, units: list[str] | None = None) -> list[Path]:
-    """Write bundle ``bundle`` of ``bundles`` into ``dest``: its pieces (of ``units`` only,
-    where given) and ``queue.json``, the whole listing."""
-    written = [p["name"] for unit in listing for p in unit["pieces"] if p["bundle"] == bundle
-               and (units is None or unit["unit"] in units)]
+def _write_bundle(dest: Path, listing: dict, stream: bytes, bundle: int) -> list[Path]:
+    """Write bundle ``bundle`` of a transfer (:func:`_layout`) into ``dest``: its pieces and
+    ``queue.json``, the whole listing."""
+    pieces = [p for p in listing["pieces"] if p["bundle"] == bundle]
     dest.mkdir(parents=True, exist_ok=True)
     for stale in dest.glob("queue.[0-9]*.[0-9]*"):
-        if stale.name not in written:
+        if stale.name not in {p["name"] for p in pieces}:
             stale.unlink()
-    for name in written:
-        atomic_write_bytes(dest / name, chunks[name])
-    atomic_write_json(dest / "queue.json", {"bundles": bundles, "units": listing})
-    return [dest / "queue.json", *(dest / name for name in written)]
+    for piece in pieces:
+        atomic_write_bytes(dest / piece["name"],
+                           stream[piece["offset"]:piece["offset"] + piece["bytes"]])
+    atomic_write_json(dest / "queue.json", listing)
+    return [dest / "queue.json", *(dest / p["name"] for p in pieces)]
+
+
+def _tars(out: Path, records: bool) -> list[tuple[str, bytes]]:
+    return [(name, _tar(out, files)) for name, files in _units(out, records)]
 
 
 def pack(out: Path, dest: Path, bundle: int = 1, budget: int = PACK_BUDGET,
          records: bool = True) -> tuple[list[Path], int]:
-    """Write bundle ``bundle`` of ``out``'s transfer (:func:`_pack`: bundles of at most
-    ``budget`` bytes, 60 MiB being what may come back from the GPU machine per command) into
-    ``dest``; return the files written and the number of bundles. A partial run larger than
-    one command's transfer (PhaseCond's checkpoint packs to about 95 MiB) travels over
-    several. Every bundle holds ``queue.json``, the whole pack's listing, so that
-    :func:`unpack` can check that its bundles belong together. ``out`` must not change between
-    the commands that write one pack's bundles."""
-    listing, chunks = _pack(out, budget, records)
-    n_bundles = max(_last_bundle(unit) for unit in listing)
-    if not 1 <= bundle <= n_bundles:
-        raise UserError(f"{out}: its pack has {n_bundles} bundle(s); there is no bundle "
-                        f"{bundle}")
-    return _write_bundle(dest, listing, chunks, bundle, n_bundles), n_bundles
+    """Write bundle ``bundle`` of ``out``'s transfer (:func:`_layout` of its units,
+    :func:`_units`, in bundles of ``budget`` bytes, 60 MiB being what may come back from the
+    GPU machine per command) into ``dest``; return the files written and the number of
+    bundles. A partial run larger than one command's transfer (PhaseCond's checkpoint packs to
+    about 95 MiB) travels over several. Every bundle holds ``queue.json``, the whole listing,
+    so that :func:`unpack` can check that its bundles belong together. ``out`` must not change
+    between the commands that write one pack's bundles."""
+    listing, stream = _layout(_tars(out, records), budget)
+    if not 1 <= bundle <= listing["bundles"]:
+        raise UserError(f"{out}: its pack has {listing['bundles']} bundle(s); there is no "
+                        f"bundle {bundle}")
+    return _write_bundle(dest, listing, stream, bundle), listing["bundles"]
 
 
 def bundle_folder(dest: Path, k: int) -> Path:
@@ -671,26 +671,30 @@ def bundle_folder(dest: Path, k: int) -> Path:
 
 def carry_over(out: Path, dest: Path, budget: int, bundles: int = 1, records: bool = True,
                which: list[int] | None = None) -> tuple[list[str], list[str], int]:
-    """What one session sends on to the next: the units of ``out``'s pack (:func:`_pack`,
-    ``records`` or not, bundles of ``budget`` bytes) that fit its first ``bundles`` bundles
-    whole, as ``dest/b1``, ``dest/b2``... (:func:`bundle_folder`), one call each way per
-    bundle; ``which`` writes only those bundles (each GPU call sends back its own). Returns
-    the units kept (``records`` first), those left behind, and the bundles the kept ones
-    fill."""
-    listing, chunks = _pack(out, budget, records)
-    kept = [unit["unit"] for unit in listing if _last_bundle(unit) <= bundles]
-    left = [unit["unit"] for unit in listing if unit["unit"] not in kept]
-    used = max([_last_bundle(unit) for unit in listing if unit["unit"] in kept] or [1])
-    for k in which or range(1, used + 1):
-        if not 1 <= k <= used:
-            raise UserError(f"{out}: its carry-over has {used} bundle(s); there is no bundle "
-                            f"{k}")
-        _write_bundle(bundle_folder(dest, k), listing, chunks, k, used, kept)
-    return kept, left, used
+    """What one session sends on to the next: the units of ``out`` (:func:`_units`,
+    ``records`` or not) that fit ``bundles`` bundles of ``budget`` bytes, in order, as a
+    transfer of their own (:func:`_layout`) in ``dest/b1``, ``dest/b2``...
+    (:func:`bundle_folder`), one call each way per bundle; ``which`` writes only those
+    bundles (each GPU call sends back its own). Returns the units kept (``records`` first),
+    those left behind, and the bundles the kept ones fill."""
+    kept, left, size = [], [], 0
+    for name, blob in _tars(out, records):
+        if size + len(blob) <= bundles * budget:
+            kept.append((name, blob))
+            size += len(blob)
+        else:
+            left.append(name)
+    listing, stream = _layout(kept, budget)
+    for k in which or range(1, listing["bundles"] + 1):
+        if not 1 <= k <= listing["bundles"]:
+            raise UserError(f"{out}: its carry-over has {listing['bundles']} bundle(s); there "
+                            f"is no bundle {k}")
+        _write_bundle(bundle_folder(dest, k), listing, stream, k)
+    return [name for name, _ in kept], left, listing["bundles"]
 
 
 def unpack(sources: list[Path], out: Path) -> tuple[list[str], list[str]]:
-    """Extract into ``out`` every unit of a pack whose pieces are all in ``sources`` (the
+    """Extract into ``out`` every unit of a transfer whose pieces are all in ``sources`` (the
     folders of its bundles, in any order); a partial run's folder is replaced whole. Returns
     the files extracted and the units left out because a bundle is missing. A corrupt piece,
     or bundles of different packs, is a one-line error."""
@@ -698,25 +702,33 @@ def unpack(sources: list[Path], out: Path) -> tuple[list[str], list[str]]:
     for source in sources:
         manifest = source / "queue.json"
         try:
-            listings[manifest] = json.loads(manifest.read_text(encoding="utf-8"))["units"]
+            listing = json.loads(manifest.read_text(encoding="utf-8"))
+            listings[manifest] = {key: listing[key] for key in ("units", "pieces")}
         except FileNotFoundError:
             raise UserError(f"{manifest}: no packed queue here") from None
-        except (json.JSONDecodeError, KeyError) as e:
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise UserError(f"{manifest}: corrupt manifest: {e}") from None
-    manifest, units = next(iter(listings.items()))
-    for other, listing in listings.items():
-        if listing != units:
+    manifest, listing = next(iter(listings.items()))
+    for other, each in listings.items():
+        if each != listing:
             raise UserError(f"{other}: a bundle of another pack than {manifest}'s (the queue "
                             "folder changed between the two packs)")
     folders = {p.name: p.parent for source in sources for p in source.glob("queue.[0-9]*")}
     names, left_out = [], []
-    for unit in units:
+    for unit in listing["units"]:
         if Path(unit["unit"]).is_absolute() or ".." in Path(unit["unit"]).parts:
             raise UserError(f"{manifest}: unit {unit['unit']!r} is outside the queue folder")
-        if any(p["name"] not in folders for p in unit["pieces"]):
+        end = unit["offset"] + unit["bytes"]
+        span = [p for p in listing["pieces"]
+                if p["offset"] < end and p["offset"] + p["bytes"] > unit["offset"]]
+        if any(p["name"] not in folders for p in span):
             left_out.append(unit["unit"])
             continue
-        blob = join_parts(manifest, unit["pieces"], what="piece", folders=folders)
+        start = unit["offset"] - span[0]["offset"] if span else 0
+        blob = join_parts(manifest, span, what="piece", folders=folders)[
+            start:start + unit["bytes"]]
+        if hashlib.sha256(blob).hexdigest() != unit["sha256"]:
+            raise UserError(f"{manifest}: unit {unit['unit']!r} does not match its checksum")
         if unit["unit"] != "records":
             shutil.rmtree(out / unit["unit"], ignore_errors=True)
         with tarfile.open(fileobj=io.BytesIO(blob), mode="r") as tar:

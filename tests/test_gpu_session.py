@@ -261,8 +261,10 @@ def test_the_sessions_runs_write_no_epoch_checkpoints_unless_told(tmp_path):
     ``--set`` comes after, so it wins."""
     s = session(tmp_path / "w", tiny=False, runner=tmp_path / "runner")
     s.args.set, s.args.parallel, s.args.queue_file, s.args.profile = [], 2, "q.yaml", "full"
-    s.carry = 55.9
-    sets = [a.removeprefix("--set=") for a in gs.train_argv(s, 300) if a.startswith("--set=")]
+    s.carry, s.bundles = 55.9, 2
+    argv = gs.train_argv(s, 300)
+    assert argv[argv.index("--carry-mib") + 1] == "111.8"  # every bundle of the carry-over
+    sets = [a.removeprefix("--set=") for a in argv if a.startswith("--set=")]
     assert sets == ["epoch_checkpoints=false"] and queue.check_settings(sets)
     s.args.set = ["epoch_checkpoints=true"]
     sets = [a.removeprefix("--set=") for a in gs.train_argv(s, 300) if a.startswith("--set=")]
@@ -318,7 +320,8 @@ def test_a_partial_run_too_large_to_carry_on_stays_on_the_gpu(tmp_path, monkeypa
     assert gs.pack_out(s, tmp_path / "out") == ["ch/large stays here: over the "
                                                  f"{s.carry:g} MiB carried on"]
     back = tmp_path / "back"
-    assert gs.queue.unpack([tmp_path / "out" / "b1"], back)[1] == ["ch/large"]
+    assert gs.queue.unpack([tmp_path / "out" / "b1"], back)[1] == []  # not sent at all
+    assert not (back / "ch" / "large").exists()
     assert (back / "ch" / "small" / "checkpoint.pt").stat().st_size == 10_000
     with tarfile.open(tmp_path / "out" / "session.tar") as tar:
         assert json.load(tar.extractfile("session.json"))["notes"] == [

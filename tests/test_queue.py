@@ -260,7 +260,7 @@ def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
     # A carry-over of fewer bundles leaves the partial run behind, whole.
     kept, left, used = queue.carry_over(out, tmp_path / "carry", 31_000, bundles=1)
     assert (kept, left, used) == (["records"], ["ch/b"], 1)
-    assert queue.unpack([tmp_path / "carry" / "b1"], tmp_path / "c")[1] == ["ch/b"]
+    assert queue.unpack([tmp_path / "carry" / "b1"], tmp_path / "c")[1] == []  # not listed
     assert not (tmp_path / "c" / "ch" / "b").exists()
     kept, left, used = queue.carry_over(out, tmp_path / "carry", 31_000, bundles=n_bundles)
     assert (kept, left, used) == (["records", "ch/b"], [], n_bundles)
@@ -273,6 +273,35 @@ def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
     queue.pack(out, tmp_path / "b2", bundle=2, budget=31_000)
     with pytest.raises(UserError, match="another pack"):
         queue.unpack(bundles, tmp_path / "mixed")
+
+
+def test_a_bundle_is_at_most_four_pieces_whatever_its_runs(tmp_path, monkeypatch):
+    """A reply brings back eight files: ``session.tar``, ``queue.json`` and the pieces. The
+    units' tars run on from one piece into the next, so a bundle of 56 MiB is four pieces of at
+    most 15, where pieces cut per run were two for each run a little over 15 MiB (DecaProp's
+    ablations, 17 to 20 MiB: three of them and the records made nine files)."""
+    out = tmp_path / "q"
+    for k in range(5):  # five partial runs a little over a piece each
+        run = out / "ch" / f"r{k}"
+        run.mkdir(parents=True)
+        (run / "status.json").write_text(json.dumps({"complete": False}))
+        (run / "checkpoint.pt.000").write_bytes(bytes([k]) * 16_000)
+    monkeypatch.setattr(queue, "PIECE_BYTES", 15_000)
+    # tar pads each run to 20 KiB: records and five runs, 110 KiB in two bundles of 60,000 B
+    kept, left, used = queue.carry_over(out, tmp_path / "carry", 60_000, bundles=2)
+    assert len(kept) == 6 and left == [] and used == 2
+    for k in (1, 2):
+        pieces = sorted((tmp_path / "carry" / f"b{k}").glob("queue.[0-9]*"))
+        assert len(pieces) <= 4 and all(p.stat().st_size <= 15_000 for p in pieces)
+    names, left_out = queue.unpack([tmp_path / "carry" / "b2", tmp_path / "carry" / "b1"],
+                                   tmp_path / "back")
+    assert left_out == [] and all((tmp_path / "back" / "ch" / f"r{k}" / "checkpoint.pt.000")
+                                  .read_bytes() == bytes([k]) * 16_000 for k in range(5))
+    # A piece altered on the way is named.
+    piece = next((tmp_path / "carry" / "b2").glob("queue.[0-9]*"))
+    piece.write_bytes(b"x" + piece.read_bytes()[1:])
+    with pytest.raises(UserError, match=piece.name):
+        queue.unpack([tmp_path / "carry" / "b1", tmp_path / "carry" / "b2"], tmp_path / "bad")
 
 
 def test_queue_configs_hash_like_the_chapter_01_notebook_builds_them():
