@@ -538,7 +538,7 @@ def calls_for(travel: Path, travel_mib: float, staged: Path, tree: float) -> lis
     last. A warm machine keeps what an earlier call carried (a path that a call does not
     name)."""
     items = [([rel(travel), rel(travel_info(travel))], travel_mib)]
-    items += [([rel(folder)], folder_mib(folder)) for folder in bundles_in(staged)]
+    items += [([rel(folder)], folder_mib(folder)) for folder in queue.bundles_in(staged)]
     calls, room = [], 0.0
     for paths, mib in items:
         if not calls or mib > room:
@@ -547,11 +547,6 @@ def calls_for(travel: Path, travel_mib: float, staged: Path, tree: float) -> lis
         calls[-1] += paths
         room -= mib
     return calls
-
-
-def bundles_in(folder: Path) -> list[Path]:
-    """The bundles of a carry-over in ``folder`` (each a folder with its ``queue.json``)."""
-    return sorted({p.parent for p in folder.rglob("queue.json")}) if folder.is_dir() else []
 
 
 def folder_mib(folder: Path) -> float:
@@ -568,7 +563,7 @@ def stage_inbox(inbox: Path, staged: Path) -> float:
     """Move the committed carry-over ``inbox`` out of the tree to ``staged`` (replacing what
     an earlier prepare left there), where a call carries it as a path of its own; return its
     MiB (0: none). Import puts the next carry-over in ``inbox`` again, or this one back."""
-    if holds_bundles(inbox):
+    if queue.bundles_in(inbox):
         shutil.rmtree(staged, ignore_errors=True)
         staged.parent.mkdir(parents=True, exist_ok=True)
         shutil.move(inbox, staged)
@@ -578,12 +573,7 @@ def stage_inbox(inbox: Path, staged: Path) -> float:
 def carried(args) -> Path:
     """Where the carry-over reached this machine: ``--staged``, where ``prepare`` moved it and
     a call carried it, else the tree's ``--inbox``."""
-    return Path(args.staged) if holds_bundles(Path(args.staged)) else args.inbox
-
-
-def holds_bundles(folder: Path) -> bool:
-    """Whether ``folder`` holds a packed runner folder's bundles (:func:`bundles_in`)."""
-    return bool(bundles_in(folder))
+    return Path(args.staged) if queue.bundles_in(Path(args.staged)) else args.inbox
 
 
 def travel_info(travel: Path) -> Path:
@@ -726,15 +716,15 @@ def import_session(args) -> list[str]:
     for path in sorted((keep / "session" / "results").glob("*.json")):
         shutil.copyfile(path, results / path.name)
         lines.append(f"benchmark {results / path.name}")
-    bundles = bundles_in(keep)
-    staged = Path(args.staged)
-    if not bundles and holds_bundles(staged) and not args.inbox.exists():
+    bundles, staged = queue.bundles_in(keep), Path(args.staged)
+    sent = queue.bundles_in(staged)
+    if not bundles and sent and not args.inbox.exists():
         shutil.move(staged, args.inbox)  # nothing came back: the carry-over sent still holds
         lines.append(f"no bundle came back: {args.inbox} is the carry-over that was sent")
     if bundles:
-        if holds_bundles(staged):  # where the session began: a run not back whole goes on
-            queue.unpack(bundles_in(staged), args.runner)  # from there
-        names, left_out = queue.unpack(bundles, args.runner)
+        if sent:  # where the session began: a run that did not come back whole goes on there
+            queue.unpack(sent, args.runner)
+        left_out = queue.unpack(bundles, args.runner)[1]
         lines += [f"record {p}" for p in queue.import_records(args.runner)]
         lines += [f"not brought back: {unit}" for unit in left_out]
         shutil.rmtree(args.inbox, ignore_errors=True)

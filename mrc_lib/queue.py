@@ -669,6 +669,11 @@ def bundle_folder(dest: Path, k: int) -> Path:
     return dest / f"b{k}"
 
 
+def bundles_in(folder: Path) -> list[Path]:
+    """The bundles under ``folder`` (each a folder with its ``queue.json``), in order."""
+    return sorted({p.parent for p in folder.rglob("queue.json")}) if folder.is_dir() else []
+
+
 def carry_over(out: Path, dest: Path, budget: int, bundles: int = 1, records: bool = True,
                which: list[int] | None = None) -> tuple[list[str], list[str], int]:
     """What one session sends on to the next: the units of ``out`` (:func:`_units`,
@@ -744,7 +749,7 @@ def restore(out: Path, inbox: Path, log=print) -> bool:
     if out.exists():
         log(f"{out} is here from the last command; {inbox} is not needed")
         return False
-    bundles = sorted({p.parent for p in inbox.rglob("queue.json")}) if inbox.is_dir() else []
+    bundles = bundles_in(inbox)
     if not bundles:
         log(f"{out} starts empty: no bundles under {inbox}")
         return False

@@ -363,7 +363,7 @@ def test_a_carry_over_of_two_bundles_comes_back_in_two_calls_and_goes_on_in_two(
     lines = gs.main(["import", str(first), str(second), "--keep", str(tmp_path / "k1"),
                      f"--runner={tmp_path / 'here'}", *imported])
     assert f"carry-over {inbox} (2 bundle(s)): commit it" in lines
-    assert [p.name for p in gs.bundles_in(inbox)] == ["b1", "b2"]
+    assert [p.name for p in gs.queue.bundles_in(inbox)] == ["b1", "b2"]
     gs.stage_inbox(inbox, staged)  # the next session: the data, then a call per bundle
     assert gs.calls_for(tmp_path / "t.tar.xz", 0.5, staged, 64 - 0.56) == [
         [str(tmp_path / "t.tar.xz"), str(tmp_path / "travel.json"), str(staged / "b1")],
@@ -380,7 +380,7 @@ def test_a_carry_over_of_two_bundles_comes_back_in_two_calls_and_goes_on_in_two(
                      f"--runner={tmp_path / 'fresh'}", *imported])
     assert "not brought back: ch/large" in lines and not staged.exists()
     back = tmp_path / "again"
-    gs.queue.unpack(gs.bundles_in(inbox), back)
+    gs.queue.unpack(gs.queue.bundles_in(inbox), back)
     assert (back / "ch" / "large" / "checkpoint.pt").read_bytes() == bytes([5]) * 50_000
 
 
