@@ -41,7 +41,7 @@ reads them) unless a run on DynSAN's multi-passage SQuAD is selected: the GPU ma
 that from them. ``run`` unpacks that file into a cache of its own. A call carries 64 MiB,
 the tree included. ``prepare`` also moves the last session's carry-over, committed in
 ``runs/inbox`` as one folder per bundle, out of the tree to ``.devcache/inbox``, and names the
-calls (:func:`calls_for`): the data, then each bundle, as many to a call as fit beside the
+calls (:func:`calls_for`): the data and each bundle, in as few calls as hold them beside the
 tree, the command going in the last; the warm machine keeps what the calls before it carried.
 So a bundle is what one call carries beside the tree (as measured by ``prepare``, plus
 :data:`GROWTH_MIB` for the records the import adds: :func:`carry_mib`), and the carry-over
@@ -534,19 +534,19 @@ def carry_mib(tree: float) -> float:
 def calls_for(travel: Path, travel_mib: float, staged: Path, tree: float) -> list[list[str]]:
     """The device tool's calls of a session, as the ``carry`` list of each: the data
     (``travel`` and its :func:`travel_info`) and each bundle of the carry-over ``staged`` (if
-    any), in that order, as many to a call as fit beside the tree, the command going in the
-    last. A warm machine keeps what an earlier call carried (a path that a call does not
-    name)."""
+    any), as few calls as hold them beside the tree (the largest first, each into the first
+    call with room), the command going in the last. A warm machine keeps what an earlier call
+    carried (a path that a call does not name)."""
     items = [([rel(travel), rel(travel_info(travel))], travel_mib)]
     items += [([rel(folder)], folder_mib(folder)) for folder in queue.bundles_in(staged)]
-    calls, room = [], 0.0
-    for paths, mib in items:
-        if not calls or mib > room:
-            calls.append([])
-            room = TRAVEL_MIB - tree
-        calls[-1] += paths
-        room -= mib
-    return calls
+    calls: list[list[int]] = []  # the items of each call
+    for k in sorted(range(len(items)), key=lambda k: -items[k][1]):
+        call = next((c for c in calls if sum(items[j][1] for j in c) + items[k][1]
+                     <= TRAVEL_MIB - tree), None)
+        if call is None:
+            calls.append(call := [])
+        call.append(k)
+    return [[path for k in sorted(call) for path in items[k][0]] for call in calls]
 
 
 def folder_mib(folder: Path) -> float:

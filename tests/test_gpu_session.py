@@ -186,8 +186,8 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
 def test_a_carry_over_too_large_beside_the_data_travels_in_calls_of_its_own(tmp_path,
                                                                            monkeypatch):
     """``prepare`` moves the committed carry-over out of the tree and names the calls: the
-    data, then each bundle, as many to a call as fit beside the tree, the command in the last
-    (the warm machine keeps what the others carried); ``run`` restores the moved one; an
+    data and each bundle, in as few calls as hold them beside the tree, the command in the
+    last (the warm machine keeps what the others carried); ``run`` restores the moved one; an
     import that gets nothing back puts it back, one that gets a bundle spends it."""
     inbox, staged = tmp_path / "inbox", tmp_path / "staged"
     assert gs.stage_inbox(inbox, staged) == 0  # nothing to carry on
@@ -204,6 +204,10 @@ def test_a_carry_over_too_large_beside_the_data_travels_in_calls_of_its_own(tmp_
     assert gs.calls_for(travel, 20, staged, 6.5) == [data + [b1, b2]]
     assert gs.calls_for(travel, 20, staged, 42.5) == [data + [b1], [b2]]  # 21.5 MiB a call
     assert gs.calls_for(travel, 20, staged, 43.5) == [data, [b1, b2]]
+    (staged / "b2" / "queue.000.002").write_bytes(b"x" * 2**20 * 19)  # 19 MiB: the largest
+    assert gs.calls_for(travel, 20, staged, 42.5) == [data + [b1], [b2]]
+    assert gs.calls_for(travel, 18.5, staged, 42.5) == [[b1, b2], data]  # the fewest calls
+    (staged / "b2" / "queue.000.002").write_bytes(b"x" * 2**20)
     assert gs.calls_for(travel, 20, tmp_path / "none", 43.5) == [data]
     assert [gs.rel(gs.TRAVEL), gs.rel(gs.STAGED / "b1")] == [  # as the device tool names them
         ".devcache/travel.tar.xz", ".devcache/inbox/b1"]
