@@ -53,6 +53,7 @@ from mrc_lib.errors import UserError
 from mrc_lib.utils import (
     atomic_write_bytes,
     atomic_write_json,
+    cut_parts,
     join_parts,
     select_keys,
     slug,
@@ -619,12 +620,10 @@ def _layout(units: list[tuple[str, bytes]], budget: int) -> tuple[dict, bytes]:
         offset += len(blob)
     starts = range(0, max(len(stream), 1), budget)
     for bundle, start in enumerate(starts, 1):
-        end = min(start + budget, len(stream))
-        for k, first in enumerate(range(start, max(end, start + 1), PIECE_BYTES)):
-            chunk = stream[first:min(first + PIECE_BYTES, end)]
-            listing["pieces"].append({"name": f"queue.{bundle:03d}.{k:03d}", "bundle": bundle,
-                                      "offset": first, "bytes": len(chunk),
-                                      "sha256": hashlib.sha256(chunk).hexdigest()})
+        for piece, _ in cut_parts(stream[start:start + budget], f"queue.{bundle:03d}",
+                                  PIECE_BYTES):
+            listing["pieces"].append(piece | {"bundle": bundle, "offset": start})
+            start += piece["bytes"]
     listing["bundles"] = len(starts)
     return listing, stream
 
