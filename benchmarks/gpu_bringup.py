@@ -4,6 +4,7 @@
     python benchmarks/gpu_bringup.py --compile            # also through torch.compile
     python benchmarks/gpu_bringup.py --compile --compile-mode reduce-overhead  # CUDA graphs
     python benchmarks/gpu_bringup.py --compile --whole ...  # the whole reader, not its blocks
+    python benchmarks/gpu_bringup.py --fp32               # the bf16 readers in full precision
     python benchmarks/gpu_bringup.py --device cpu --tiny  # the script's own check (CI)
 
 For each reader of :data:`mrc_lib.models.MODELS` that the full profile configures, at its full
@@ -31,6 +32,11 @@ evaluates the reader itself, not the compiled whole). A reader is entered as cut
 (:data:`CUT`) before it is measured, and a SIGTERM (a GPU session's step running out of time)
 adds the seconds it had; ``--resume`` measures a cut reader again, except one compiled whole
 that had :data:`WHOLE_FINAL_SECONDS`: so long a compilation is the finding.
+``--fp32`` measures the readers whose profile sets ``bf16`` in full precision instead (config
+``bf16: false``: TF32 matrix products, no autocast): an eager step of QANet or DynSAN waits on
+its launches, and autocast adds a cast kernel before each matrix product and convolution whose
+input or weight is float32 (``benchmarks/op_counts.py`` counts them, ``bf16_casts``), which
+full precision does without. Its entries have the config hash of ``bf16: false``.
 ``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
 the script, not the speed.
 """
@@ -62,7 +68,7 @@ from mrc_lib.bench import (  # noqa: E402
     setup,
     time_steps,
 )
-from mrc_lib.config import CHOICES  # noqa: E402
+from mrc_lib.config import CHOICES, resolve_config  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     compiled,
     count_parameters,
@@ -95,12 +101,12 @@ def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int, infer: bool =
 
 
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
-            compile_mode: str | None, whole: bool = False) -> dict:
+            compile_mode: str | None, whole: bool = False, fp32: bool = False) -> dict:
     """One reader's bring-up: a checked training step, then speeds and peak memory; through
     :func:`torch.compile` in ``compile_mode`` (of the ``whole`` reader) unless it is
-    ``None``."""
-    s = setup(name, "smoke" if tiny else "full", overrides(device, tiny, compile_mode, whole),
-              2_000 if tiny else None)
+    ``None``; in full precision with ``fp32``."""
+    s = setup(name, "smoke" if tiny else "full",
+              overrides(device, tiny, compile_mode, whole, fp32), 2_000 if tiny else None)
     cfg, dev, model = s.cfg, s.device, s.model
     net = compiled(model, mode=cfg.compile_mode, whole=cfg.compile_whole) if cfg.compile \
         else model
@@ -122,8 +128,8 @@ CUT = "cut: the command ended before this reader's measurement did"
 # A reader compiled whole and cut after this long is not tried again: every process of a GPU
 # command (8.5 minutes at most) would compile as long before its first step.
 WHOLE_FINAL_SECONDS = 240
-SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_whole", "tiny",
-            "seq_lens", "steps")  # a file holds compile_whole only when it is true
+SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_whole", "fp32",
+            "tiny", "seq_lens", "steps")  # a file holds compile_whole, fp32 only when true
 
 
 def kept(out: Path, results: dict, device: str) -> dict:
@@ -136,7 +142,7 @@ def kept(out: Path, results: dict, device: str) -> dict:
         return {}
     profile = "smoke" if results["tiny"] else "full"
     keys = overrides(device, results["tiny"], results["compile_mode"],
-                     results.get("compile_whole", False))
+                     results.get("compile_whole", False), results.get("fp32", False))
 
     def final(name: str, entry: dict) -> bool:
         """Measured with today's config, or compiled whole and cut after long enough."""
@@ -150,6 +156,14 @@ def kept(out: Path, results: dict, device: str) -> dict:
             if final(name, entry)}
 
 
+def default_readers(args) -> list[str]:
+    """Every reader the full profile configures; with ``--fp32``, those it runs in bf16 (the
+    others' full-precision rate is the plain bring-up's)."""
+    if not args.fp32:
+        return full_readers()
+    return [name for name in full_readers() if resolve_config(name, profile="full").bf16]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -159,6 +173,8 @@ def main(argv=None) -> dict:
                    help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
     p.add_argument("--whole", action="store_true",
                    help="with --compile, compile each reader whole, not its compile_regions")
+    p.add_argument("--fp32", action="store_true",
+                   help="the readers whose profile sets bf16, in full precision (bf16=false)")
     p.add_argument("--seq-len", default="400,140", help="context lengths, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
@@ -177,6 +193,8 @@ def main(argv=None) -> dict:
                "seq_lens": seq_lens, "steps": steps, "models": {}}
     if args.compile and args.whole:
         results["compile_whole"] = True
+    if args.fp32:
+        results["fp32"] = True
     if args.resume:
         results["models"] = kept(out, results, args.device)
     measuring = {}  # the reader being measured, and since when
@@ -191,7 +209,7 @@ def main(argv=None) -> dict:
 
     previous = signal.signal(signal.SIGTERM, cut)
     try:
-        for name in args.models.split(",") if args.models else full_readers():
+        for name in args.models.split(",") if args.models else default_readers(args):
             if name in results["models"]:
                 print(name, "kept", flush=True)
                 continue
@@ -203,7 +221,7 @@ def main(argv=None) -> dict:
                 results["models"][name] = measure(name, args.device, seq_lens, steps,
                                                   args.tiny,
                                                   args.compile_mode if args.compile else None,
-                                                  args.compile and args.whole)
+                                                  args.compile and args.whole, args.fp32)
             except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
                 results["models"][name] = {"error": f"{type(e).__name__}: {e}",
                                            "traceback": traceback.format_exc(limit=-3)}

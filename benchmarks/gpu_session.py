@@ -13,7 +13,9 @@ the time on what is still missing for this GPU, in this order:
    mode and with CUDA graphs (``gpu_bringup.py --compile``), their repeated blocks compiled
    in place; ``compile_whole``: the two readers compiled whole, with CUDA graphs (``--whole``),
    at 140 and 400 tokens.
-6. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
+6. ``fp32``: the readers whose profile sets bf16, eager in full precision (``gpu_bringup.py
+   --fp32``): whether autocast's casts cost these launch-bound steps more than bf16 saves.
+7. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
 
 Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
 and ``session.json``, one entry per step) and bundle 1 of the runner folder's carry-over,
@@ -269,6 +271,16 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False) -> Step:
     return Step(name, 300, 200, skip, argv) if whole else Step(name, 180, 120, skip, argv)
 
 
+def fp32_skip(s: Session) -> str | None:
+    return chip_skip(s, "gpu_{device}_fp32.json")
+
+
+def fp32_argv(s: Session, budget: float) -> list[str]:
+    tiny = ["--device", "cpu", "--tiny", "--models", "qanet"] if s.tiny else []
+    return [PY, "benchmarks/gpu_bringup.py", "--fp32", *tiny, "--resume",
+            "--out", str(s.resumed("gpu_{device}_fp32.json"))]
+
+
 def train_skip(s: Session) -> str | None:
     if not s.args.only:
         return "no --only (the runs to train are those whose data was carried)"
@@ -307,6 +319,8 @@ STEPS = [
     # compile_ro) gained little on both chips, and DynSAN's regional rates come after it.
     compile_step("compile_whole", "reduce-overhead",
                  "gpu_{device}_compile_whole_reduce_overhead.json", whole=True),
+    # Eleven readers eager, as the bring-up (which took under a minute for twelve on the H100).
+    Step("fp32", 120, 45, fp32_skip, fp32_argv),
     compile_step("compile", "default", "gpu_{device}_compile.json"),
     compile_step("compile_ro", "reduce-overhead", "gpu_{device}_compile_reduce_overhead.json"),
     Step("train", 600, 150, train_skip, train_argv),

@@ -19,6 +19,13 @@ that cut launches, with one exception: the CPU runs a GRU one time step at a tim
 (about ten operations per step), where cuDNN runs a whole layer in one call, so the counts of
 readers with a GRU (``gru_steps_on_cpu``) are far above what CUDA launches.
 
+A reader whose full profile sets ``bf16`` runs its CUDA forward under bf16 autocast, which adds a
+cast kernel wherever a matrix product or convolution meets a float32 input or weight (and
+casts back where an operation runs in float32). ``bf16_casts`` counts the casts (``_to_copy``)
+of the same forward and backward under the CPU's bf16 autocast, whose lists of operations cast
+to bf16 are close to CUDA's: the launches that full precision (``bf16: false``, TF32 matrix
+products; ``gpu_bringup.py --fp32`` measures it) does without.
+
 The other cure for launch overhead is ``torch.compile``, which fuses a graph's operations into
 a few kernels; how much it can fuse depends on how many graphs it captures. For each reader the
 script also traces the training forward and its loss with TorchDynamo (nothing is compiled) and
@@ -78,13 +85,30 @@ def count(name: str, seq_len: int, tiny: bool) -> dict:
     model.zero_grad(set_to_none=True)
     with Count() as counted:
         loss_of(model(batch), batch).backward()
+    casts = bf16_casts(model, loss_of, batch) if resolve_config(name, profile="full").bf16 \
+        else None
     views = sum(n for op, n in counted.ops.items() if op in VIEWS)
     kernels = collections.Counter({op: n for op, n in counted.ops.items() if op not in VIEWS})
     return {"batch_size": batch_size, "seq_len": seq_len, "ops": sum(kernels.values()),
-            "hidden_copies": kernels["masked_fill"], "views": views,
+            "hidden_copies": kernels["masked_fill"], "bf16_casts": casts, "views": views,
             "top": dict(kernels.most_common(8)),
             "gru_steps_on_cpu": any(isinstance(m, torch.nn.GRU) for m in model.modules()),
             **graphs(lambda b: loss_of(model(b), b), batch)}
+
+
+def bf16_casts(model, loss_of, batch: dict) -> int:
+    """The casts of one forward (under the CPU's bf16 autocast, as the trainer's on CUDA) and
+    backward of ``model``."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(batch)  # the first call's work apart
+    loss_of(out, batch).backward()
+    model.zero_grad(set_to_none=True)
+    with Count() as counted:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(batch)
+        loss_of(out, batch).backward()
+    model.zero_grad(set_to_none=True)
+    return counted.ops["_to_copy"]
 
 
 def graphs(forward, batch: dict) -> dict:

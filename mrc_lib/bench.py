@@ -182,10 +182,12 @@ def full_readers() -> list[str]:
 
 
 def overrides(device: str, tiny: bool = False, compile_mode: str | None = None,
-              whole: bool = False) -> list[str]:
+              whole: bool = False, fp32: bool = False) -> list[str]:
     """The config keys a GPU benchmark sets over its profile's: the device, batches of 2 for a
-    ``tiny`` check, and ``torch.compile`` in ``compile_mode`` (of the ``whole`` reader)."""
-    keys = [f"device={device}"] + (["batch_size=2"] if tiny else [])
+    ``tiny`` check, full precision (``fp32``: no bf16 autocast, TF32 matrix products) and
+    ``torch.compile`` in ``compile_mode`` (of the ``whole`` reader)."""
+    keys = [f"device={device}"] + (["batch_size=2"] if tiny else []) + \
+        (["bf16=false"] if fp32 else [])
     if compile_mode:
         keys += ["compile=true", f"compile_mode={compile_mode}"] + \
             (["compile_whole=true"] if whole else [])

@@ -265,27 +265,29 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
     return markdown_table(columns, table)
 
 
-# The bring-up files' suffixes for torch.compile's default mode, CUDA graphs, and CUDA graphs
-# of the whole reader (benchmarks/gpu_session.py's compile steps).
-COMPILED = ("_compile", "_compile_reduce_overhead", "_compile_whole_reduce_overhead")
+# The bring-up files' suffixes for the bf16 readers eager in full precision (the fp32 step of
+# benchmarks/gpu_session.py), torch.compile's default mode, CUDA graphs, and CUDA graphs of the
+# whole reader (its compile steps).
+VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_reduce_overhead")
 
 
 def speed_rows(results_dir: Path) -> list[list]:
     """One row per reader and GPU of the bring-up files (``gpu_<device>.json``, with the
-    :data:`COMPILED` files beside them): seconds per SQuAD epoch eager, compiled, under CUDA
-    graphs and compiled whole under CUDA graphs, the rates behind the first, peak memory, and
-    whether the reader's config is still the one measured."""
+    :data:`VARIANTS` files beside them): seconds per SQuAD epoch eager, eager in full
+    precision (a bf16 reader), compiled, under CUDA graphs and compiled whole under CUDA
+    graphs, the rates behind the first, peak memory, and whether the reader's config is still
+    the one measured."""
     from mrc_lib.bench import reader_hash
 
     rows, today = [], {}
     for path in sorted(results_dir.glob("gpu_*.json")):
-        if path.stem.endswith(COMPILED):
+        if path.stem.endswith(VARIANTS):
             continue
         eager = json.loads(path.read_text(encoding="utf-8"))
         if eager.get("tiny"):
             continue
         modes = [json.loads(f.read_text(encoding="utf-8")).get("models", {}) if f.is_file()
-                 else {} for f in (path.with_name(f"{path.stem}{s}.json") for s in COMPILED)]
+                 else {} for f in (path.with_name(f"{path.stem}{s}.json") for s in VARIANTS)]
         for name, m in sorted(eager["models"].items()):
             if "speed" not in m:
                 continue
@@ -361,13 +363,14 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "questions) of each reader at its full profile's batch size and precision, "
                   "estimated from one process's training examples per second on synthetic "
                   "batches of 400 context tokens (contexts are padded to a batch's longest: an "
-                  "upper bound), eager, through `torch.compile` and with CUDA graphs where "
-                  "measured: QANet and DynSAN compile their repeated blocks, or, under *Whole*, "
-                  "the whole reader (`benchmarks/gpu_bringup.py`, files "
-                  "`benchmarks/results/gpu_*.json`)."
+                  "upper bound), eager, then where measured: eager in full precision (*fp32*: "
+                  "a reader whose profile sets bf16 autocast, without it, its matrix products "
+                  "in TF32), through `torch.compile` and with CUDA graphs: QANet and DynSAN "
+                  "compile their repeated blocks, or, under *Whole*, the whole reader "
+                  "(`benchmarks/gpu_bringup.py`, files `benchmarks/results/gpu_*.json`)."
                   " Issue 13's targets for one H100: BiDAF 60 s, QANet 45 s. *Config* says "
                   "whether the reader is still configured as it was measured.",
-                  markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s",
+                  markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s", "fp32",
                                   "Compiled", "CUDA graphs", "Whole, CUDA graphs", "Train ex/s",
                                   "Peak GiB", "Config"], speeds)]
     steps = profile_rows(Path(results_dir or BENCHMARK_RESULTS))

@@ -1,5 +1,6 @@
 """The command line: one-line errors with exit status 2, official evaluation output."""
 
+import argparse
 import json
 import signal
 import subprocess
@@ -9,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from mrc_lib.bench import full_readers
+from mrc_lib.bench import full_readers, reader_hash
 from mrc_lib.cli import main
 
 from .conftest import ARTICLES, squad_json
@@ -119,6 +120,17 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     cut["bidaf"]["seconds"] -= 1  # the step started with less than that left: tried again
     out.write_text(json.dumps(dict(blocks, compile_whole=True, models=cut)))
     assert bringup.kept(out, dict(blocks, compile_whole=True), "cpu") == {}
+    # A file in full precision (bf16=false) goes on only as such too, its entries with that
+    # config's hash; without --models it measures the readers whose full profile sets bf16.
+    out.write_text(json.dumps(dict(first, fp32=True)))
+    assert bringup.kept(out, first, "cpu") == {}
+    assert bringup.default_readers(argparse.Namespace(fp32=True)) == \
+        [name for name in full_readers() if name != "bidaf"]
+    fp32 = bringup.main(["--device", "cpu", "--tiny", "--fp32", "--models", "qanet", "--out",
+                         str(out)])
+    assert fp32["fp32"] and fp32["models"]["qanet"]["config_hash"] == \
+        reader_hash("qanet", "smoke", ["device=cpu", "batch_size=2", "bf16=false"])
+    assert set(bringup.kept(out, fp32, "cpu")) == {"qanet"}
 
 
 def test_gpu_bringup_enters_the_reader_a_sigterm_cuts_with_its_seconds(tmp_path):
@@ -169,6 +181,10 @@ def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
     assert set(models) == set(full_readers())
     assert all(m["ops"] > 0 and m["views"] > 0 and m["top"] for m in models.values())
     assert not models["qanet"]["gru_steps_on_cpu"] and models["rnet"]["gru_steps_on_cpu"]
+    # bf16 autocast's casts, counted for the readers whose full profile sets bf16 (BiDAF's
+    # does not): a float32 weight meets a matrix product in each.
+    assert models["bidaf"]["bf16_casts"] is None
+    assert all(m["bf16_casts"] > 0 for name, m in models.items() if name != "bidaf")
     for name in ("qanet", "qanet_na", "dynsan", "dynsan_mc"):
         assert (models[name]["graphs"], models[name]["graph_breaks"]) == (1, 0), name
     assert models["bidaf"]["graph_breaks"] > 0

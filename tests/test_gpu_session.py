@@ -51,13 +51,13 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     # two and a half minutes left, and on a loaded machine (the test failed once on a clock of
     # four, a CI and another pytest sharing two cores) the steps before it take longer.
     result = gs.main(["run", "--tiny", "--out", str(paths["out"]), "--minutes", "6",
-                      "--steps", "bringup,measure,profile,compile,train", "--only", "tq/*",
+                      "--steps", "bringup,measure,profile,compile,fp32,train", "--only", "tq/*",
                       "--queue-file", q, "--profile", "smoke", "--travel", str(travel),
                       *common])
     states = {step["step"]: step["state"] for step in result["steps"]}
     assert states == {"data": states["data"], "inbox": "nothing to unpack", "bringup": "done",
                       "measure": "done", "profile": "done", "compile": "skipped",
-                      "train": "done"}, result
+                      "fp32": "done", "train": "done"}, result
     back = [p for p in paths["out"].rglob("*") if p.is_file()]
     assert len(back) <= 8 and (paths["out"] / "session.tar").is_file()
     assert (paths["out"] / "b1" / "queue.json").is_file()
@@ -77,7 +77,9 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
     assert lines[-1] == f"page {tmp_path / 'book' / 'full_runs.md'}: commit it"
     page = (tmp_path / "book" / "full_runs.md").read_text()  # a smoke run: not the full config
     assert "| tq | 1 | 0 | 0 | 1 | 1 |" in page and "| bidaf | done, earlier config" in page
-    assert json.loads(next(paths["results"].glob("gpu_*.json")).read_text())["models"]["bidaf"]
+    eager, fp32 = (json.loads(p.read_text()) for p in sorted(paths["results"].glob("gpu_*")))
+    assert eager["models"]["bidaf"]  # the CPU's name: gpu_<name>.json, gpu_<name>_fp32.json
+    assert fp32["fp32"] and fp32["complete"] and not fp32["models"]["qanet"]["bf16"]
     profiled = json.loads(next(paths["results"].glob("profile_*.json")).read_text())
     assert profiled["complete"] and profiled["models"]["bidaf"]["wall_ms"] > 0
     assert records.read_record(book / "tq" / "bidaf.json")["complete"]
@@ -164,7 +166,8 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
     names = {"packing": "packing_nvidia_h200.json", "profile": "profile_nvidia_h200.json",
              "compile": "gpu_nvidia_h200_compile.json",
              "compile_ro": "gpu_nvidia_h200_compile_reduce_overhead.json",
-             "compile_whole": "gpu_nvidia_h200_compile_whole_reduce_overhead.json"}
+             "compile_whole": "gpu_nvidia_h200_compile_whole_reduce_overhead.json",
+             "fp32": "gpu_nvidia_h200_fp32.json"}
     for step, name in names.items():
         assert steps[step].skip(s) is None
         (results / name).write_text(json.dumps({"device": "NVIDIA H200"}))  # cut: not whole
