@@ -51,7 +51,11 @@ this session may send on is ``--bundles`` of them (:data:`CARRY_BUNDLES`; both w
 ``.devcache/travel.json``, which travels with the data); its ``queue run`` starts a run that
 will be cut only while its checkpoint fits (``--carry-mib``). Import puts the next carry-over
 in ``runs/inbox``, or the one it was sent back there if nothing came back; a run that was sent
-but did not come back whole goes on from where it was sent. ``plan`` writes every queue run's
+but did not come back whole goes on from where it was sent. The data file also carries the
+committed compile cache, ``runs/compile_cache`` (moved out of the tree like the carry-over):
+``run`` unpacks this GPU's artifacts into the folder its queue workers load compiled graphs
+from and write new ones to (:data:`COMPILE_CACHE`), sends the new ones back in
+``session.tar``, and import puts them in the tree. ``plan`` writes every queue run's
 checkpoint, data and fate under those limits to ``benchmarks/results/session_plan.json``.
 ``--tiny`` is the script's own check (CI): small readers, the smoke profile, seconds per step.
 """
@@ -63,6 +67,7 @@ import functools
 import gzip
 import io
 import json
+import lzma
 import math
 import os
 import shutil
@@ -93,6 +98,15 @@ INBOX = ROOT / "runs" / "inbox"
 # own: in the command's call, while the data went in a call before it (calls_for).
 STAGED = ROOT / ".devcache" / "inbox"
 WORK = ROOT / "runs" / "session"
+# torch.compile's cache artifacts of the queue's compiled runs, committed: a folder per GPU,
+# a file per mrc_lib.train.compile_key, xz-compressed. Like the carry-over, prepare moves it out
+# of the tree (into the data file, which carries it) and import puts it back with what the
+# session compiled anew, so that a session's workers load their graphs instead of compiling.
+COMPILE_CACHE = ROOT / "runs" / "compile_cache"
+STAGED_CACHE = ROOT / ".devcache" / "compile_cache"
+# The most a reply brings back of new artifacts (compressed): session.tar is one reply file of
+# 16 MB at most, beside the benchmark files and logs.
+CACHE_BACK_MIB = 12
 TRAVEL_MIB = 64  # what one call to the device tool carries, the tree included
 # Kept beside the tree for what a session's import adds to it (records, benchmark files)
 # before the next session carries the carry-over it sent: all 52 EA Reader records of a CPU
@@ -140,6 +154,7 @@ class Session:
     # a CPU compiles QANet's blocks for 140 tokens and then no more.
     env: dict = field(default_factory=lambda: {"TORCH_LOGS": "recompiles"})
     log: list = field(default_factory=list)
+    seeded: set = field(default_factory=set)  # the compile cache's files it was sent
 
     @property
     def tiny(self) -> bool:
@@ -370,9 +385,45 @@ def unpack_travel(path: Path, cache: Path) -> str:
     return f"{path.stat().st_size / 2**20:.1f} MiB of data from {path} into {cache}"
 
 
+def seed_compile_cache(s: Session) -> str:
+    """The compile cache artifacts of this GPU that the data carried, unpacked into the folder
+    the session's queue workers load from and write to (:data:`mrc_lib.train.COMPILE_CACHE`)."""
+    from mrc_lib.train import COMPILE_CACHE as VARIABLE
+
+    folder = s.work / "compile_cache"
+    folder.mkdir(exist_ok=True)
+    s.env[VARIABLE] = str(folder)
+    for path in sorted((s.work / "cache" / "compile_cache" / slug(s.device)).glob("*.bin.xz")):
+        name = path.name.removesuffix(".xz")
+        (folder / name).write_bytes(lzma.decompress(path.read_bytes()))
+        s.seeded.add(name)
+    return f"{len(s.seeded)} file(s) for the {s.device} into {folder}"
+
+
+def compile_cache_back(s: Session) -> tuple[list[tuple[str, bytes]], list[str]]:
+    """The artifacts the session's workers wrote anew, xz-compressed, as ``session.tar``'s
+    members, as long as they stay within :data:`CACHE_BACK_MIB` together; and a note for each
+    left here."""
+    members, notes, total = [], [], 0
+    for path in sorted((s.work / "compile_cache").glob("*.bin")):
+        if path.name in s.seeded:
+            continue
+        blob = lzma.compress(path.read_bytes())
+        if total + len(blob) > CACHE_BACK_MIB * 2**20:
+            notes.append(f"compile cache {path.name} stays here: {len(blob) / 2**20:.1f} MiB "
+                         f"compressed, over the {CACHE_BACK_MIB} MiB a reply brings back")
+            continue
+        total += len(blob)
+        members.append((f"compile_cache/{slug(s.device)}/{path.name}.xz", blob))
+        notes.append(f"compile cache {path.name}: {len(blob) / 2**20:.1f} MiB compressed, "
+                     "sent back")
+    return members, notes
+
+
 def pack_out(s: Session, out: Path) -> list[str]:
     """Bundle 1 of the runner folder's carry-over (every record, and what the next session
-    resumes from) and ``session.tar``; ``session.json`` says how many bundles the carry-over
+    resumes from) and ``session.tar``, with the compile cache's new artifacts
+    (:func:`compile_cache_back`); ``session.json`` says how many bundles the carry-over
     fills (:func:`send` writes the others). A partial run that does not fit the carry-over's
     bundles whole could come back but never be carried on, so none of it is sent."""
     notes = []
@@ -390,6 +441,12 @@ def pack_out(s: Session, out: Path) -> list[str]:
                              + ", ".join(SEND.format(k=k) for k in range(2, bundles + 1)))
     except Exception as e:  # noqa: BLE001 (named in session.json)
         notes.append(f"packing the runner folder failed: {type(e).__name__}: {e}")
+    cache = []
+    try:
+        cache, cache_notes = compile_cache_back(s)
+        notes += cache_notes
+    except Exception as e:  # noqa: BLE001 (named in session.json)
+        notes.append(f"packing the compile cache failed: {type(e).__name__}: {e}")
     atomic_write_json(s.work / "session.json", {
         "device": s.device, "started": s.args.started, "minutes": s.args.minutes,
         "only": s.args.only, "carry_mib": s.carry, "carry_bundles": s.bundles,
@@ -398,6 +455,10 @@ def pack_out(s: Session, out: Path) -> list[str]:
         for name in ("session.json", "results", "logs"):
             if (s.work / name).exists():
                 tar.add(s.work / name, arcname=name)
+        for name, blob in cache:
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
     return notes
 
 
@@ -442,6 +503,7 @@ def session(args) -> dict:
             s.env["MRC_CACHE_DIR"] = str(work / "cache")
             s.log.append({"step": "data",
                           "state": unpack_travel(Path(args.travel), work / "cache")})
+            s.log.append({"step": "compile cache", "state": seed_compile_cache(s)})
         restored = queue.restore(args.runner, carried(args), log=lambda line: None)
         s.log.append({"step": "inbox", "state": "unpacked" if restored else "nothing to unpack"})
     except Exception as e:  # noqa: BLE001 (named in session.json)
@@ -497,10 +559,12 @@ def travel_files(jobs: list[queue.Job], log=print) -> set[Path]:
     return read | {p.parent / "meta.json" for p in read}
 
 
-def write_travel(jobs: list[queue.Job], travel: Path, log=print) -> float:
+def write_travel(jobs: list[queue.Job], travel: Path, log=print,
+                 cache: Path | None = None) -> float:
     """Write the cache files that ``jobs``' data reads to ``travel``, with the texts of each
     split read (``X.json.gz`` beside ``X.npz``), which evaluation reads; SQuAD's training
-    texts only where a multi-passage run builds its data from them. Return its MiB."""
+    texts only where a multi-passage run builds its data from them; and the compile cache's
+    files (``cache``, its folders per GPU) under ``compile_cache/``. Return its MiB."""
     from mrc_lib.data.sources import cache_root
 
     root = cache_root().resolve()
@@ -518,6 +582,8 @@ def write_travel(jobs: list[queue.Job], travel: Path, log=print) -> float:
             info = tarfile.TarInfo(str(path.relative_to(root)))
             info.size, info.mtime = len(blob), int(path.stat().st_mtime)
             tar.addfile(info, io.BytesIO(blob))
+        if cache is not None:
+            tar.add(cache, arcname="compile_cache")
     part.replace(travel)
     return travel.stat().st_size / 2**20
 
@@ -573,14 +639,16 @@ def rel(path: Path) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
-def stage_inbox(inbox: Path, staged: Path) -> float:
-    """Move the committed carry-over ``inbox`` out of the tree to ``staged`` (replacing what
-    an earlier prepare left there), where a call carries it as a path of its own; return its
-    MiB (0: none). Import puts the next carry-over in ``inbox`` again, or this one back."""
-    if queue.bundles_in(inbox):
+def stage(folder: Path, staged: Path) -> float:
+    """Move the committed ``folder`` out of the tree to ``staged`` (replacing what an earlier
+    prepare left there), where a call carries it apart from the tree; return its MiB (0:
+    none). The carry-over (``runs/inbox``) travels as a path of its own, and import puts the
+    next one in its place, or this one back; the compile cache travels in the data file, and
+    import puts it back with what the session added."""
+    if folder.is_dir() and any(p.is_file() for p in folder.rglob("*")):
         shutil.rmtree(staged, ignore_errors=True)
         staged.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(inbox, staged)
+        shutil.move(folder, staged)
     return folder_mib(staged) if staged.is_dir() else 0.0
 
 
@@ -602,15 +670,18 @@ def prepare(args) -> Path:
     and a carry-over, and name the selected runs that sessions never start."""
     jobs = queue.select(queue.load_queue(args.queue_file), args.only)
     travel = Path(args.travel)
-    mib = write_travel(jobs, travel)
-    tree = tree_mib(args.inbox)
+    cache = stage(args.compile_cache, args.staged_cache)
+    mib = write_travel(jobs, travel, cache=args.staged_cache if cache else None)
+    tree = tree_mib(args.inbox, args.compile_cache)
     carry = carry_mib(tree)
-    staged = stage_inbox(args.inbox, Path(args.staged))
+    staged = stage(args.inbox, Path(args.staged))
     calls = calls_for(travel, mib, Path(args.staged), tree)
     atomic_write_json(travel_info(travel), {"travel_mib": round(mib, 2), "tree_mib": round(
         tree, 2), "growth_mib": GROWTH_MIB, "carry_mib": carry, "bundles": args.bundles,
-        "staged_mib": round(staged, 2), "calls": calls, "only": args.only})
-    print(f"{travel} and {travel_info(travel).name}: {mib:.1f} MiB; the carry-over "
+        "staged_mib": round(staged, 2), "compile_cache_mib": round(cache, 2), "calls": calls,
+        "only": args.only})
+    print(f"{travel} and {travel_info(travel).name}: {mib:.1f} MiB, the compile cache "
+          f"{cache:.1f} MiB of it; the carry-over "
           f"{staged:.1f} MiB ({args.staged}); the tree {tree:.1f} MiB without them, and "
           f"{GROWTH_MIB:g} for the records the import adds; {TRAVEL_MIB} MiB a call; this "
           f"session sends on at most {args.bundles} bundle(s) of {carry:g} MiB")
@@ -626,14 +697,15 @@ def prepare(args) -> Path:
     return travel
 
 
-def tree_mib(inbox: Path) -> float:
+def tree_mib(*staged: Path) -> float:
     """The MiB of the working tree that a command carries (tracked files, and untracked ones
-    git does not ignore), without ``inbox``, which the session replaces."""
+    git does not ignore), without the ``staged`` folders, which prepare moves out of it (the
+    carry-over, the compile cache)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
                              "--exclude-standard"], cwd=ROOT, capture_output=True, check=True)
     paths = [ROOT / name for name in listed.stdout.decode().split("\0") if name]
-    return sum(p.stat().st_size for p in paths
-               if p.is_file() and not p.resolve().is_relative_to(inbox.resolve())) / 2**20
+    return sum(p.stat().st_size for p in paths if p.is_file() and not any(
+        p.resolve().is_relative_to(folder.resolve()) for folder in staged)) / 2**20
 
 
 def plan(args) -> dict:
@@ -645,7 +717,7 @@ def plan(args) -> dict:
         groups.setdefault(queue.data_key(job.config(args.profile)), []).append(job)
     runs, chapters = {}, {}
     scratch = Path(args.work) / "plan.tar.xz"
-    tree = tree_mib(args.inbox)
+    tree = tree_mib(args.inbox, args.compile_cache)
     carry = carry_mib(tree) * args.bundles
     for group in groups.values():
         mib = write_travel(group, scratch, log=lambda line: None)
@@ -730,6 +802,8 @@ def import_session(args) -> list[str]:
     for path in sorted((keep / "session" / "results").glob("*.json")):
         shutil.copyfile(path, results / path.name)
         lines.append(f"benchmark {results / path.name}")
+    lines += import_compile_cache(keep / "session" / "compile_cache", args.compile_cache,
+                                  args.staged_cache)
     bundles, staged = queue.bundles_in(keep), Path(args.staged)
     sent = queue.bundles_in(staged)
     if not bundles and sent and not args.inbox.exists():
@@ -754,6 +828,23 @@ def import_session(args) -> list[str]:
             lines.append(f"no partial run: no carry-over ({args.inbox} removed)")
     page = book.write_full_runs(queue_file=args.queue_file, results_dir=results)
     return [*lines, f"page {page}: commit it"]
+
+
+def import_compile_cache(back: Path, cache: Path, staged: Path) -> list[str]:
+    """Put the compile cache that prepare moved out (``staged``) back in the tree (``cache``),
+    and beside it the artifacts that the session wrote anew (``back``, a folder per GPU); a
+    file of the same name already there stays (it was loaded, not compiled again)."""
+    if staged.is_dir() and not cache.exists():
+        shutil.move(staged, cache)
+    shutil.rmtree(staged, ignore_errors=True)
+    lines = []
+    for path in sorted(back.glob("*/*.bin.xz")):
+        dest = cache / path.parent.name / path.name
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
+            lines.append(f"compile cache {dest}: commit it")
+    return lines
 
 
 def main(argv=None):
@@ -786,6 +877,8 @@ def main(argv=None):
     p.add_argument("--runner", type=Path, default=RUNNER, help=argparse.SUPPRESS)
     p.add_argument("--inbox", type=Path, default=INBOX, help=argparse.SUPPRESS)
     p.add_argument("--staged", type=Path, default=STAGED, help=argparse.SUPPRESS)
+    p.add_argument("--compile-cache", type=Path, default=COMPILE_CACHE, help=argparse.SUPPRESS)
+    p.add_argument("--staged-cache", type=Path, default=STAGED_CACHE, help=argparse.SUPPRESS)
     p.add_argument("--work", default=str(WORK), help=argparse.SUPPRESS)
     p.add_argument("--plan", default=str(queue.PLAN), help="plan: where it goes")
     args = p.parse_args(argv)

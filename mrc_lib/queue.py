@@ -291,18 +291,26 @@ def work(job: Job, out: Path, deadline: float | None, profile: str = "full",
          settings: tuple[str, ...] = ()) -> dict:
     """Train ``job`` in ``out/<chapter>/<run>`` until it ends or ``deadline``; write its
     ``status.json`` and its record under ``out/records`` (partial until it is complete).
+    A compiled run with :data:`mrc_lib.train.COMPILE_CACHE` set loads its graphs' cache
+    artifacts from that folder first and writes them there after, unless on file.
     The status also gives the times (``time.time()``) at which the worker began, had its data
     and its trainer ended, and the record's ``wall_seconds`` (training and evaluation alone):
     the runner's log (:func:`run_queue`) shows from them where a worker's time went."""
-    from mrc_lib.train import load_data, train
+    from mrc_lib import train as engine
 
     began = time.time()
     cfg = job.config(profile, settings)
     folder = out / job.entry.chapter / job.name
-    data = load_data(cfg)
+    data = engine.load_data(cfg)
     loaded = time.time()
-    metrics = train(cfg, folder, resume=(folder / "checkpoint.pt").exists(), data=data,
-                    deadline=deadline)
+    cache = os.environ.get(engine.COMPILE_CACHE) if cfg.compile else None
+    if cache:
+        key = engine.compile_key(cfg, engine.resolve_device(cfg.device))
+        print("compile cache:", engine.load_compile_cache(Path(cache), key), flush=True)
+    metrics = engine.train(cfg, folder, resume=(folder / "checkpoint.pt").exists(), data=data,
+                           deadline=deadline)
+    if cache:
+        print("compile cache:", engine.save_compile_cache(Path(cache), key), flush=True)
     trained = time.time()
     record = records.make_record(metrics, chapter=job.entry.chapter, run=job.name,
                                  log_path=folder / "log.jsonl")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import itertools
 import json
 import math
@@ -65,7 +66,7 @@ from mrc_lib.models import build_model, effective_hparams
 from mrc_lib.nn.embedding import WordEmbedding
 from mrc_lib.records import UNHASHED
 from mrc_lib.tasks import get_task
-from mrc_lib.utils import atomic_path, atomic_write_json, git_commit
+from mrc_lib.utils import atomic_path, atomic_write_bytes, atomic_write_json, git_commit
 
 # Config keys that may differ when a run is resumed; any other change is refused: those that
 # change how a run is computed, not what (the keys its record's hash leaves out), and its length.
@@ -236,6 +237,56 @@ def new_graph_step(cfg: TrainConfig) -> None:
     graphs' outputs of the previous one may be overwritten from here on."""
     if cfg.compile and cfg.compile_mode == "reduce-overhead":
         torch.compiler.cudagraph_mark_step_begin()
+
+
+# A folder of torch.compile's cache artifacts, one file per compile_key (a GPU session sets it
+# for its queue workers, benchmarks/gpu_session.py): a worker whose compiled graphs are on file
+# loads them instead of compiling, and the first to compile a key writes them.
+COMPILE_CACHE = "MRC_COMPILE_CACHE"
+
+
+def compile_key(cfg: TrainConfig, device: torch.device) -> str:
+    """The name of the cache artifacts of ``cfg``'s compiled reader on ``device``: the reader,
+    what builds its graphs (hyperparameters with the reader's defaults, data options, task,
+    precision, the compile keys) and what the artifacts are valid for (torch, the GPU)."""
+    from mrc_lib.models import effective_hparams
+
+    graphs = {"model": cfg.model, "dataset": cfg.dataset, "task": cfg.task,
+              "hparams": effective_hparams(cfg.to_dict()), "data_options": cfg.data_options,
+              "bf16": cfg.bf16, "compile_mode": cfg.compile_mode,
+              "compile_whole": cfg.compile_whole, "torch": torch.__version__,
+              "device": device_name(device)}
+    digest = hashlib.sha256(json.dumps(graphs, sort_keys=True, default=str).encode()).hexdigest()
+    return f"{cfg.model}-{digest[:12]}"
+
+
+def load_compile_cache(folder: Path, key: str) -> str:
+    """Load the artifacts of ``key`` from ``folder`` into torch.compile's caches, before the
+    reader compiles; say what happened. Artifacts torch rejects (another torch or GPU) are
+    left, and the reader compiles as without them."""
+    path = folder / f"{key}.bin"
+    if not path.is_file():
+        return "none on file"
+    try:
+        torch.compiler.load_cache_artifacts(path.read_bytes())
+    except Exception as e:  # noqa: BLE001 (a cache: compiling without it loses nothing)
+        return f"{path}: not loaded ({type(e).__name__}: {e})"
+    return f"loaded {path.name} ({path.stat().st_size / 2**20:.1f} MiB)"
+
+
+def save_compile_cache(folder: Path, key: str) -> str:
+    """Write what this process compiled to ``folder`` as ``key``'s artifacts, unless a file of
+    ``key`` is there already (loaded, or written by another worker first); say what
+    happened."""
+    path = folder / f"{key}.bin"
+    if path.exists():
+        return "on file"
+    artifacts = torch.compiler.save_cache_artifacts()
+    if artifacts is None:
+        return "nothing compiled"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, artifacts[0])
+    return f"wrote {path.name} ({len(artifacts[0]) / 2**20:.1f} MiB)"
 
 
 # --- one step -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ tiny mirror of conftest.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -394,7 +395,48 @@ def test_records_and_the_inbox_are_committed_run_folders_are_not():
     path = records.record_path("01_bidaf_qanet", "bidaf").relative_to(records.ROOT)
     assert not ignored(str(path)), f"{path} is ignored by git: records would never land"
     assert not ignored("runs/inbox/1/queue.json"), "the carry-over would never land"
+    assert not ignored("runs/compile_cache/nvidia_h200/qanet-0123456789ab.bin.xz")
     assert ignored("runs/queue/records/ch/r.json") and ignored("runs/01_bidaf_qanet/smoke/x")
+
+
+def test_a_compiled_worker_loads_its_graphs_cache_and_the_first_to_compile_writes_it(
+        mirror, tmp_path, tiny_queue, monkeypatch, capsys):
+    """With MRC_COMPILE_CACHE (a GPU session's), a compiled run loads the artifacts of its
+    compile_key before it trains and writes what it compiled after, unless a file of its key
+    is there: another seed of the same reader shares the key (torch.compile is faked here;
+    compiling on a CPU takes minutes)."""
+    import torch
+
+    from mrc_lib import train as engine
+
+    loaded = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"graphs", None))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(engine.COMPILE_CACHE, str(cache))
+    seed0, seed1 = queue.load_queue(tiny_queue)
+    queue.work(seed0, tmp_path / "out", None, "smoke", ("compile=true",))
+    key = engine.compile_key(seed0.config("smoke", ("compile=true",)), torch.device("cpu"))
+    assert key == engine.compile_key(seed1.config("smoke", ("compile=true",)),
+                                     torch.device("cpu"))
+    assert loaded == [] and (cache / f"{key}.bin").read_bytes() == b"graphs"
+    assert f"compile cache: none on file\ncompile cache: wrote {key}.bin" in capsys.readouterr().out
+    queue.work(seed1, tmp_path / "out", None, "smoke", ("compile=true",))
+    assert loaded == [b"graphs"]
+    assert "compile cache: on file" in capsys.readouterr().out
+    # Another reader's hyperparameters, another precision or compile mode: another key.
+    cfg = seed0.config("smoke", ("compile=true",))
+    keys = {engine.compile_key(c, torch.device("cpu")) for c in (
+        cfg, dataclasses.replace(cfg, bf16=True),
+        dataclasses.replace(cfg, compile_mode="reduce-overhead"),
+        dataclasses.replace(cfg, hparams={**cfg.hparams, "hidden": 16}))}
+    assert len(keys) == 4 and all(k.startswith("bidaf-") for k in keys)
+    # Artifacts torch rejects are said so, and the reader compiles without them.
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts",
+                        lambda blob: (_ for _ in ()).throw(RuntimeError("another torch")))
+    said = engine.load_compile_cache(cache, key)
+    assert said.endswith("not loaded (RuntimeError: another torch)") and str(cache) in said
 
 
 def test_smoke_overrides_apply_at_the_smoke_profile_only(tmp_path):
