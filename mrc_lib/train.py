@@ -249,8 +249,6 @@ def compile_key(cfg: TrainConfig, device: torch.device) -> str:
     """The name of the cache artifacts of ``cfg``'s compiled reader on ``device``: the reader,
     what builds its graphs (hyperparameters with the reader's defaults, data options, task,
     precision, the compile keys) and what the artifacts are valid for (torch, the GPU)."""
-    from mrc_lib.models import effective_hparams
-
     graphs = {"model": cfg.model, "dataset": cfg.dataset, "task": cfg.task,
               "hparams": effective_hparams(cfg.to_dict()), "data_options": cfg.data_options,
               "bf16": cfg.bf16, "compile_mode": cfg.compile_mode,
