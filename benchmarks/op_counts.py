@@ -81,14 +81,11 @@ def count(name: str, seq_len: int, tiny: bool) -> dict:
     model = build_model(cfg.model, vocab, **cfg.hparams).train()
     loss_of = get_task(cfg.task).loss
     batch = synthetic_batch(vocab, batch_size, seq_len, seed=0)
-    loss_of(model(batch), batch).backward()  # first-call work (lazy init) is not counted
-    model.zero_grad(set_to_none=True)
-    with Count() as counted:
-        loss_of(model(batch), batch).backward()
-    casts = bf16_casts(model, loss_of, batch) if resolve_config(name, profile="full").bf16 \
-        else None
-    views = sum(n for op, n in counted.ops.items() if op in VIEWS)
-    kernels = collections.Counter({op: n for op, n in counted.ops.items() if op not in VIEWS})
+    ops = step_ops(model, loss_of, batch)
+    casts = step_ops(model, loss_of, batch, bf16=True)["_to_copy"] \
+        if resolve_config(name, profile="full").bf16 else None
+    views = sum(n for op, n in ops.items() if op in VIEWS)
+    kernels = collections.Counter({op: n for op, n in ops.items() if op not in VIEWS})
     return {"batch_size": batch_size, "seq_len": seq_len, "ops": sum(kernels.values()),
             "hidden_copies": kernels["masked_fill"], "bf16_casts": casts, "views": views,
             "top": dict(kernels.most_common(8)),
@@ -96,19 +93,20 @@ def count(name: str, seq_len: int, tiny: bool) -> dict:
             **graphs(lambda b: loss_of(model(b), b), batch)}
 
 
-def bf16_casts(model, loss_of, batch: dict) -> int:
-    """The casts of one forward (under the CPU's bf16 autocast, as the trainer's on CUDA) and
-    backward of ``model``."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(batch)  # the first call's work apart
-    loss_of(out, batch).backward()
-    model.zero_grad(set_to_none=True)
-    with Count() as counted:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+def step_ops(model, loss_of, batch: dict, bf16: bool = False) -> collections.Counter:
+    """The operations of one forward and backward of ``model`` on ``batch``, with ``bf16``
+    under the CPU's bf16 autocast (as the trainer's forward on CUDA); a first, uncounted pass
+    leaves out first-call work (lazy initialisation)."""
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             out = model(batch)
         loss_of(out, batch).backward()
-    model.zero_grad(set_to_none=True)
-    return counted.ops["_to_copy"]
+        model.zero_grad(set_to_none=True)
+
+    step()
+    with Count() as counted:
+        step()
+    return counted.ops
 
 
 def graphs(forward, batch: dict) -> dict:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import itertools
 import json
 import math
@@ -64,7 +63,7 @@ from mrc_lib.errors import UserError
 from mrc_lib.inference import autocast, predict_spans, to_device
 from mrc_lib.models import build_model, effective_hparams
 from mrc_lib.nn.embedding import WordEmbedding
-from mrc_lib.records import UNHASHED
+from mrc_lib.records import UNHASHED, json_hash
 from mrc_lib.tasks import get_task
 from mrc_lib.utils import atomic_path, atomic_write_bytes, atomic_write_json, git_commit
 
@@ -254,8 +253,7 @@ def compile_key(cfg: TrainConfig, device: torch.device) -> str:
               "bf16": cfg.bf16, "compile_mode": cfg.compile_mode,
               "compile_whole": cfg.compile_whole, "torch": torch.__version__,
               "device": device_name(device)}
-    digest = hashlib.sha256(json.dumps(graphs, sort_keys=True, default=str).encode()).hexdigest()
-    return f"{cfg.model}-{digest[:12]}"
+    return f"{cfg.model}-{json_hash(graphs)}"
 
 
 def load_compile_cache(folder: Path, key: str) -> str:
