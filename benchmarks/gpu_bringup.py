@@ -4,6 +4,8 @@
     python benchmarks/gpu_bringup.py --compile            # also through torch.compile
     python benchmarks/gpu_bringup.py --compile --compile-mode reduce-overhead  # CUDA graphs
     python benchmarks/gpu_bringup.py --compile --whole ...  # the whole reader, not its blocks
+    python benchmarks/gpu_bringup.py --compile --compile-mode cudagraphs --whole  # CUDA graphs
+                                                          # of the traced step, no inductor
     python benchmarks/gpu_bringup.py --fp32               # the bf16 readers in full precision
     python benchmarks/gpu_bringup.py --device cpu --tiny  # the script's own check (CI)
 
@@ -170,7 +172,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tiny", action="store_true", help="smoke-size readers: checks the script")
     p.add_argument("--compile", action="store_true", help="train and infer via torch.compile")
     p.add_argument("--compile-mode", default="default", choices=CHOICES["compile_mode"],
-                   help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
+                   help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs; "
+                   "cudagraphs: its cudagraphs backend)")
     p.add_argument("--whole", action="store_true",
                    help="with --compile, compile each reader whole, not its compile_regions")
     p.add_argument("--fp32", action="store_true",

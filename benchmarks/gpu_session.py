@@ -12,7 +12,8 @@ the time on what is still missing for this GPU, in this order:
 5. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
    mode and with CUDA graphs (``gpu_bringup.py --compile``), their repeated blocks compiled
    in place; ``compile_whole``: the two readers compiled whole, with CUDA graphs (``--whole``),
-   at 140 and 400 tokens.
+   at 140 and 400 tokens; before it, ``graphs``: those two and PhaseCond traced whole and
+   replayed as CUDA graphs without inductor (``compile_mode: cudagraphs``).
 6. ``fp32``: the readers whose profile sets bf16, eager in full precision (``gpu_bringup.py
    --fp32``): whether autocast's casts cost these launch-bound steps more than bf16 saves.
 7. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
@@ -269,8 +270,9 @@ def profile_argv(s: Session, budget: float) -> list[str]:
             "bidaf" if s.tiny else PROFILE_MODELS, "--out", str(s.result("profile_{device}.json"))]
 
 
-def compile_step(name: str, mode: str, file: str, whole: bool = False) -> Step:
-    """A ``gpu_bringup.py --compile`` step of :data:`COMPILE_MODELS` in ``mode``: their
+def compile_step(name: str, mode: str, file: str, whole: bool = False,
+                 models: str = COMPILE_MODELS) -> Step:
+    """A ``gpu_bringup.py --compile`` step of ``models`` in ``mode``: their
     ``compile_regions`` at three lengths (the third shows whether a new length compiles
     again), or the ``whole`` readers at two, for longer (the whole step compiles at once: QANet's
     took several times its blocks' time on a CPU)."""
@@ -279,7 +281,7 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False) -> Step:
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
-                *(["--whole"] if whole else []), "--models", COMPILE_MODELS,
+                *(["--whole"] if whole else []), "--models", models,
                 "--seq-len", "140,400" if whole else "140,400,250", "--resume",
                 "--out", str(s.resumed(file))]
 
@@ -330,8 +332,13 @@ STEPS = [
     Step("measure", 330, 120, measure_skip, measure_argv),
     Step("packing", 270, 200, packing_skip, packing_argv),
     Step("profile", 120, 45, profile_skip, profile_argv),
-    # The whole step under CUDA graphs first: compiling QANet's blocks alone (compile,
-    # compile_ro) gained little on both chips, and DynSAN's regional rates come after it.
+    # The whole step traced and replayed as CUDA graphs without inductor first: on the H200
+    # inductor had not compiled QANet whole after 298 s, where the trace alone took 27 s on
+    # this project's 2-core CPU at one length (139 s with symbolic lengths). Then the whole
+    # step under inductor's CUDA graphs: compiling QANet's blocks alone (compile, compile_ro)
+    # gained little on both chips, and DynSAN's regional rates come after it.
+    compile_step("graphs", "cudagraphs", "gpu_{device}_compile_whole_cudagraphs.json",
+                 whole=True, models=PROFILE_MODELS),
     compile_step("compile_whole", "reduce-overhead",
                  "gpu_{device}_compile_whole_reduce_overhead.json", whole=True),
     # Eleven readers eager, as the bring-up (which took under a minute for twelve on the H100).

@@ -266,17 +266,27 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
 
 
 # The bring-up files' suffixes for the bf16 readers eager in full precision (the fp32 step of
-# benchmarks/gpu_session.py), torch.compile's default mode, CUDA graphs, and CUDA graphs of the
-# whole reader (its compile steps).
-VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_reduce_overhead")
+# benchmarks/gpu_session.py), torch.compile's default mode, CUDA graphs, CUDA graphs of the
+# whole reader, and the whole reader's traced graphs as CUDA graphs without inductor (its
+# compile steps).
+VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_reduce_overhead",
+            "_compile_whole_cudagraphs")
+
+
+def variant_cell(entry: dict):
+    """A variant's seconds per SQuAD epoch, or, for a reader whose compilation its step's time
+    cut, how long it had compiled."""
+    if entry.get("error", "").startswith("cut") and "seconds" in entry:
+        return f"cut after {entry['seconds']:.0f} s"
+    return entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
 
 
 def speed_rows(results_dir: Path) -> list[list]:
     """One row per reader and GPU of the bring-up files (``gpu_<device>.json``, with the
     :data:`VARIANTS` files beside them): seconds per SQuAD epoch eager, eager in full
-    precision (a bf16 reader), compiled, under CUDA graphs and compiled whole under CUDA
-    graphs, the rates behind the first, peak memory, and whether the reader's config is still
-    the one measured."""
+    precision (a bf16 reader), compiled, under CUDA graphs, compiled whole under CUDA graphs
+    and traced whole as CUDA graphs without inductor, the rates behind the first, peak memory,
+    and whether the reader's config is still the one measured."""
     from mrc_lib.bench import reader_hash
 
     rows, today = [], {}
@@ -295,12 +305,10 @@ def speed_rows(results_dir: Path) -> list[list]:
                 today[name] = reader_hash(name)
             config = ("not recorded" if "config_hash" not in m else
                       "current" if m["config_hash"] == today[name] else "earlier")
-            at = [entry.get("speed", {}).get(SPEED_TOKENS, {})
-                  for entry in (m, *(mode.get(name, {}) for mode in modes))]
             rows.append([name, eager["device"], m["batch_size"], "yes" if m["bf16"] else "no",
-                         *[a.get("epoch_seconds") for a in at],
-                         at[0].get("train_examples_per_s"), m["peak_memory_bytes"] / 2**30,
-                         config])
+                         variant_cell(m), *(variant_cell(mode.get(name, {})) for mode in modes),
+                         m["speed"].get(SPEED_TOKENS, {}).get("train_examples_per_s"),
+                         m["peak_memory_bytes"] / 2**30, config])
     return rows
 
 
@@ -366,12 +374,16 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "upper bound), eager, then where measured: eager in full precision (*fp32*: "
                   "a reader whose profile sets bf16 autocast, without it, its matrix products "
                   "in TF32), through `torch.compile` and with CUDA graphs: QANet and DynSAN "
-                  "compile their repeated blocks, or, under *Whole*, the whole reader "
+                  "compile their repeated blocks, or, under *Whole*, the whole reader; under "
+                  "*Graphs only*, the whole reader's forward and backward as traced, replayed "
+                  "as CUDA graphs without inductor's kernels (`compile_mode: cudagraphs`). "
+                  "*Cut after* gives how long a compilation had run when its step's time ended "
                   "(`benchmarks/gpu_bringup.py`, files `benchmarks/results/gpu_*.json`)."
                   " Issue 13's targets for one H100: BiDAF 60 s, QANet 45 s. *Config* says "
                   "whether the reader is still configured as it was measured.",
                   markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s", "fp32",
-                                  "Compiled", "CUDA graphs", "Whole, CUDA graphs", "Train ex/s",
+                                  "Compiled", "CUDA graphs", "Whole, CUDA graphs",
+                                  "Graphs only", "Train ex/s",
                                   "Peak GiB", "Config"], speeds)]
     steps = profile_rows(Path(results_dir or BENCHMARK_RESULTS))
     if steps:

@@ -34,7 +34,7 @@ CHOICES = {
     "device": ("auto", "cpu", "cuda"),
     "plateau_metric": ("f1", "em"),
     "task": ("span", "span_na", "cloze", "multiple_choice"),
-    "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+    "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs", "cudagraphs"),
 }
 SPAN_TASKS = ("span", "span_na")  # the tasks whose answer is a span of the context
 # Each dataset's own task (mrc_lib.tasks), the default of TrainConfig.task.
@@ -97,7 +97,9 @@ class TrainConfig:
         compile: wrap the model in :func:`torch.compile` for training.
         compile_mode: :func:`torch.compile`'s ``mode`` with ``compile``: ``reduce-overhead``
             replays each compiled graph as a CUDA graph (one recording per batch shape: use it
-            with ``pad_multiple``).
+            with ``pad_multiple``); ``cudagraphs`` replays the traced forward and backward as
+            CUDA graphs without inductor's kernels (torch.compile's ``cudagraphs`` backend):
+            no fusion, but no launch per operation either, at a compilation that traces only.
         compile_whole: with ``compile``, compile the reader's whole forward as one graph even
             where it names repeated blocks to compile in place (``compile_regions``): what the
             blocks leave eager (embeddings, attention between them, pointers) is compiled too,

@@ -218,10 +218,13 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
     compiled in place (regional compilation: one graph per kind of block, which its copies
     share, compiled in a fraction of the time of the whole step) and ``net`` is returned as it
     is, unless ``whole`` (config ``compile_whole``); any other reader's ``net`` is compiled
-    whole.
+    whole. Mode ``cudagraphs`` is torch.compile's ``cudagraphs`` backend, not a mode of
+    inductor: the graphs that AOT autograd traces replay as CUDA graphs, their operations
+    unfused.
     """
     net = model if net is None else net
-    options = {"dynamic": True, "mode": None if mode == "default" else mode}
+    options = {"dynamic": True, "backend": "cudagraphs"} if mode == "cudagraphs" else \
+        {"dynamic": True, "mode": None if mode == "default" else mode}
     regions = () if whole else getattr(model, "compile_regions", ())
     if not regions:
         return torch.compile(net, **options)
@@ -231,10 +234,14 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
     return net
 
 
+# The compile modes whose graphs replay as CUDA graphs (inductor's CUDA graph trees).
+GRAPH_MODES = ("reduce-overhead", "cudagraphs")
+
+
 def new_graph_step(cfg: TrainConfig) -> None:
-    """Under CUDA graphs (``compile_mode: reduce-overhead``), mark the start of a step: the
-    graphs' outputs of the previous one may be overwritten from here on."""
-    if cfg.compile and cfg.compile_mode == "reduce-overhead":
+    """Under CUDA graphs (a :data:`GRAPH_MODES` ``compile_mode``), mark the start of a step:
+    the graphs' outputs of the previous one may be overwritten from here on."""
+    if cfg.compile and cfg.compile_mode in GRAPH_MODES:
         torch.compiler.cudagraph_mark_step_begin()
 
 

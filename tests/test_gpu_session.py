@@ -192,6 +192,7 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
              "compile": "gpu_nvidia_h200_compile.json",
              "compile_ro": "gpu_nvidia_h200_compile_reduce_overhead.json",
              "compile_whole": "gpu_nvidia_h200_compile_whole_reduce_overhead.json",
+             "graphs": "gpu_nvidia_h200_compile_whole_cudagraphs.json",
              "fp32": "gpu_nvidia_h200_fp32.json"}
     for step, name in names.items():
         assert steps[step].skip(s) is None
@@ -286,6 +287,9 @@ def test_a_cut_compile_step_goes_on_from_the_file_it_left(tmp_path):
     argv = whole.argv(s, 300)
     assert argv[argv.index("--compile-mode") + 1] == "reduce-overhead" and "--whole" in argv
     assert argv[argv.index("--seq-len") + 1] == "140,400" and "--whole" not in step.argv(s, 180)
+    graphs = next(step for step in gs.STEPS if step.name == "graphs").argv(s, 300)
+    assert graphs[graphs.index("--compile-mode") + 1] == "cudagraphs" and "--whole" in graphs
+    assert graphs[graphs.index("--models") + 1] == "qanet,dynsan,phasecond"
 
 
 def test_the_sessions_runs_write_no_epoch_checkpoints_unless_told(tmp_path):

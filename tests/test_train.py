@@ -702,10 +702,29 @@ def test_compile_compiles_a_readers_regions_in_place_or_the_whole_reader():
     assert isinstance(engine.compiled(bidaf), torch._dynamo.eval_frame.OptimizedModule)
 
 
+def test_cudagraphs_mode_trains_as_eager():
+    """``compile_mode: cudagraphs`` really compiles (torch.compile's ``cudagraphs`` backend;
+    on a CPU it skips the graphs and runs what AOT autograd traced): the trainer's steps give
+    eager's losses."""
+    from mrc_lib.bench import setup
+
+    losses = {}
+    for mode in ("eager", "cudagraphs"):
+        s = setup("bidaf", "smoke", ["device=cpu", "batch_size=2"], 2_000)
+        net = s.model if mode == "eager" else engine.compiled(s.model, mode=mode, whole=True)
+        cfg = resolve_config("bidaf", profile="smoke", overrides=[
+            "device=cpu", "batch_size=2", "compile=true", "compile_mode=cudagraphs"]) \
+            if mode != "eager" else s.cfg
+        losses[mode] = [float(engine.train_step(net, s.batch(9, seed=k), s.optimizer, cfg,
+                                                s.device)) for k in range(2)]
+    torch._dynamo.reset()
+    assert losses["cudagraphs"] == pytest.approx(losses["eager"], rel=1e-5)
+
+
 def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatch):
     """``compile_mode`` is torch.compile's ``mode`` (``default``: its own default, None), for a
-    whole reader and for regions; under ``reduce-overhead`` every training step marks a new
-    CUDA-graph step."""
+    whole reader and for regions, and ``cudagraphs`` its backend; under both of these every
+    training step marks a new CUDA-graph step."""
     from mrc_lib.bench import SyntheticVocab, synthetic_batch
 
     calls, steps = [], []
@@ -714,13 +733,15 @@ def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatc
     vocab = SyntheticVocab.random(size=2_000)
     for name in ("bidaf", "qanet"):
         model = build_model(name, vocab, **resolve_config(name, profile="smoke").hparams)
-        for mode in ("default", "reduce-overhead"):
+        for mode in ("default", "reduce-overhead", "cudagraphs"):
             engine.compiled(model, mode=mode)
-    assert {kw["mode"] for kw in calls} == {None, "reduce-overhead"}
+    assert {kw.get("mode") for kw in calls if "backend" not in kw} == {None, "reduce-overhead"}
+    backend = [kw for kw in calls if "backend" in kw]
+    assert backend and all(kw == {"dynamic": True, "backend": "cudagraphs"} for kw in backend)
     assert all(kw["dynamic"] for kw in calls)
     model = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
     batch = synthetic_batch(vocab, 2, 9)
-    for compile_mode, marks in (("default", 0), ("reduce-overhead", 1)):
+    for compile_mode, marks in (("default", 0), ("reduce-overhead", 1), ("cudagraphs", 1)):
         cfg = resolve_config("bidaf", profile="smoke",
                              overrides=["compile=true", f"compile_mode={compile_mode}"])
         steps.clear()
