@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from mrc_lib import records  # noqa: E402
 from mrc_lib.bench import (  # noqa: E402
+    CUT,
     SPEED_REVISION,
     SQUAD_TRAIN_EXAMPLES,
     full_readers,
@@ -126,7 +127,6 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     return result
 
 
-CUT = "cut: the command ended before this reader's measurement did"
 # A reader compiled whole and cut after this long is not tried again: every process of a GPU
 # command (8.5 minutes at most) would compile as long before its first step.
 WHOLE_FINAL_SECONDS = 240

@@ -41,6 +41,9 @@ SQUAD_TRAIN_EXAMPLES = 87_599
 # 1: the first bring-ups and the first profile (2026-11-24 to 26); 2: padding zeroed by one
 # multiplication (mrc_lib.nn.zero_padding) instead of masked_fill's negation, copy and fill.
 SPEED_REVISION = 2
+# A bring-up entry's error while its measurement runs, kept with the seconds it had when its
+# command was cut (benchmarks/gpu_bringup.py; the Full-scale runs page shows them).
+CUT = "cut: the command ended before this reader's measurement did"
 QUESTION_LEN = 30
 WORD_CHARS = 16  # the data pipeline truncates words to 16 characters
 WARMUP_STEPS = 3

@@ -276,7 +276,9 @@ VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_red
 def variant_cell(entry: dict):
     """A variant's seconds per SQuAD epoch, or, for a reader whose compilation its step's time
     cut, how long it had compiled."""
-    if entry.get("error", "").startswith("cut") and "seconds" in entry:
+    from mrc_lib.bench import CUT
+
+    if entry.get("error") == CUT and "seconds" in entry:
         return f"cut after {entry['seconds']:.0f} s"
     return entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
 

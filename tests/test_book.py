@@ -3,6 +3,7 @@
 import json
 import subprocess
 
+from mrc_lib.bench import CUT
 from mrc_lib.book import (
     CONFIG,
     INSTALL_CELL_MARK,
@@ -275,8 +276,7 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     (results / "gpu_x_compile_whole_reduce_overhead.json").write_text(json.dumps(
         {"device": "X", "models": {"bidaf": {"speed": {"400": {"epoch_seconds": 20.0}}}}}))
     (results / "gpu_x_compile_whole_cudagraphs.json").write_text(json.dumps(
-        {"device": "X", "models": {"bidaf": {"error": "cut: the command ended before this "
-                                             "reader's measurement did", "seconds": 298.3}}}))
+        {"device": "X", "models": {"bidaf": {"error": CUT, "seconds": 298.3}}}))
     (results / "gpu_x_fp32.json").write_text(json.dumps(
         {"device": "X", "fp32": True, "models": {"bidaf": {"speed": {"400": {"epoch_seconds":
                                                                               44.0}}}}}))
