@@ -246,6 +246,8 @@ def record_state(record: dict, job) -> str:
 def runs_table(rows: list[tuple[dict, str]]) -> str:
     """One chapter's training records: state, device, epochs, final and best dev scores, test
     scores where the task has a test split, wall time and peak memory."""
+    from mrc_lib import records
+
     names = metric_names([r.get("dev") for r, _ in rows])
     tests = metric_names([r.get("test") for r, _ in rows])
     columns = (["Run", "State", "Device", "Epochs"] + [f"Dev {n}" for _, n in names]
@@ -255,7 +257,7 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
     for record, state in rows:
         epochs = record["config"].get("epochs")
         table.append(
-            [record["run"], state, record["device"],
+            [record["run"], state, f"{record['device']} ({records.precision(record)})",
              f"{record.get('epochs_run')} of {epochs}" if epochs else record.get("epochs_run")]
             + [(record.get("dev") or {}).get(k) for k, _ in names] + [record.get("best_epoch")]
             + [(record.get("best_dev") or {}).get(k) for k, _ in names]
@@ -361,8 +363,11 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
              "session's end and goes on in a later one; a run of an earlier config is trained "
              "again. Records of other profiles (a CPU run at the full profile's "
              "hyperparameters, chapter 01's optimizer probes) are listed too, with their "
-             "profile. Several runs of a session share its GPU, so their minutes are not a "
-             "single run's speed (the bring-up files in `benchmarks/results/` are).",
+             "profile. A queue run may also be trained on a CPU, where its record has the "
+             "same config as a GPU's: the *Device* column gives the precision each run "
+             "computed in (bf16 autocast needs CUDA, so a CPU computes in fp32). Several runs "
+             "of a session share its GPU, so their minutes are not a single run's speed (the "
+             "bring-up files in `benchmarks/results/` are).",
              "**The queue.** Runs per chapter and their state; the minutes left are the queue "
              "file's estimates for one H100, less what partial runs have done.",
              markdown_table(["Chapter", "Runs", "Done", "Partial", "Missing",

@@ -183,9 +183,21 @@ def lookup(path: str | Path, config: dict, digests: dict) -> dict | None:
     return match(path, config, digests)[0]
 
 
+def precision(record: dict) -> str:
+    """How a run computed (:func:`mrc_lib.inference.autocast`): ``bf16`` autocast only where the
+    config asks for it and the run had CUDA; else full precision, whose matrix products CUDA
+    runs in ``TF32`` (:func:`mrc_lib.train.train`) and a CPU in ``fp32``. A full-profile record
+    trained on a CPU has the same config (hash) as a GPU's, and computed in fp32."""
+    if not record.get("cuda"):
+        return "fp32"
+    return "bf16" if record["config"].get("bf16") else "TF32"
+
+
 def provenance(record: dict) -> str:
-    """Where and how a run was trained, for a table caption: device, schedule, profile."""
+    """Where and how a run was trained, for a table caption: device and precision, schedule,
+    profile."""
     cfg = record["config"]
     steps = f", {record['steps']} steps" if cfg.get("max_steps") else ""
-    return (f"{record['device']}, {record['epochs_run']} epoch(s) of batch {cfg['batch_size']}"
-            f"{steps}, {cfg['optimizer']}, profile {record.get('profile')}")
+    return (f"{record['device']} ({precision(record)}), {record['epochs_run']} epoch(s) of "
+            f"batch {cfg['batch_size']}{steps}, {cfg['optimizer']}, "
+            f"profile {record.get('profile')}")

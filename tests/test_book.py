@@ -245,9 +245,9 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     runs = tmp_path / "book" / "runs"
 
     def record(run, config_hash, complete=True, profile="full", **extra):
-        body = {"schema": 1, "chapter": "tq", "run": run, "config": {"epochs": 2},
+        body = {"schema": 1, "chapter": "tq", "run": run, "config": {"epochs": 2, "bf16": True},
                 "config_hash": config_hash, "data_digests": {}, "history": [],
-                "device": "NVIDIA H200", "dev": {"exact_match": 60.0, "f1": 70.0},
+                "device": "NVIDIA H200", "cuda": "13.0", "dev": {"exact_match": 60.0, "f1": 70.0},
                 "best_dev": {"exact_match": 61.0, "f1": 71.0}, "best_epoch": 1,
                 "epochs_run": 2 if complete else 1, "steps": 8, "complete": complete,
                 "profile": profile, "wall_seconds": 90.0, "peak_memory_bytes": 2**30, **extra}
@@ -259,7 +259,7 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     record("r_seed0", current("r_seed0"))
     record("r_seed1", current("r_seed1"), complete=False)
     record("r_seed2", "an earlier one")
-    record("probe", "h", profile="cpu")
+    record("probe", "h", profile="cpu", device="AMD EPYC", cuda=None)
     records.write_record(runs / "ch" / "speed.json", {
         "schema": 1, "kind": "measurement", "chapter": "ch", "run": "speed", "profile": "full",
         "spec": {}, "spec_hash": "s", "device": "NVIDIA H200", "device_type": "cuda",
@@ -306,11 +306,12 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     assert "| ch/speed | NVIDIA H200 | 2.11 | 4.2 |" in page
     rows = {line.split(" | ")[0][2:]: line for line in page.splitlines()
             if line.startswith("| r_") or line.startswith("| probe")}
-    assert rows["r_seed0"] == ("| r_seed0 | done | NVIDIA H200 | 2 of 2 | 60 | 70 | 1 | 61 | 71 "
-                               "| 1.5 | 1 |")
+    assert rows["r_seed0"] == ("| r_seed0 | done | NVIDIA H200 (bf16) | 2 of 2 | 60 | 70 | 1 | 61 "
+                               "| 71 | 1.5 | 1 |")
     assert " | partial | " in rows["r_seed1"] and "| 1 of 2 |" in rows["r_seed1"]
     assert " | done, earlier config: runs again | " in rows["r_seed2"]
-    assert " | done, not in the queue (profile cpu) | " in rows["probe"]
+    # A CPU computes in fp32 whatever the config's bf16 (autocast needs CUDA).
+    assert " | done, not in the queue (profile cpu) | AMD EPYC (fp32) | " in rows["probe"]
     assert "Test" not in page  # no record has a test split
 
 

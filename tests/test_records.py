@@ -46,6 +46,18 @@ def test_a_record_is_the_metrics_without_predictions_plus_provenance(tmp_path, d
     assert back["config"]["hparams"] == effective_hparams(toy_config().to_dict())
 
 
+def test_provenance_names_the_precision_a_run_computed_in():
+    """bf16 autocast needs CUDA: a full-profile record trained on a CPU (same config hash)
+    computed in fp32, and its provenance says so."""
+    config = {"bf16": True, "batch_size": 32, "optimizer": "adam"}
+    gpu = {"device": "NVIDIA H200", "cuda": "13.0", "epochs_run": 10, "profile": "full",
+           "config": config}
+    cpu = {**gpu, "device": "AMD EPYC", "cuda": None}
+    assert records.precision(gpu) == "bf16" and records.precision(cpu) == "fp32"
+    assert records.precision({**gpu, "config": {**config, "bf16": False}}) == "TF32"
+    assert records.provenance(cpu).startswith("AMD EPYC (fp32), 10 epoch(s) of batch 32")
+
+
 def test_a_record_keeps_each_list_of_plain_values_on_one_line(tmp_path):
     """Records travel to every GPU session with the tree: a row of an attention map is one
     line, not one line per number; the JSON is the same."""
