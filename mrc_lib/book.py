@@ -37,6 +37,7 @@ import shutil
 import tarfile
 import tempfile
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 from mrc_lib.errors import ChecksumError, UserError
@@ -142,6 +143,18 @@ def render_commit(meta: dict) -> str:
     return f"`{meta['commit']}`" + (f", with uncommitted changes to {files}" if dirty else "")
 
 
+def render_runs(runs: dict) -> str:
+    """Where a chapter's runs came from, for its provenance list: each run's provenance
+    (device and precision, schedule, profile: :func:`mrc_lib.records.provenance`) once, with how
+    many runs share it and whether the execution read them from their records or trained (or
+    measured) them itself. A full-profile chapter may draw on several GPUs and a CPU."""
+    def how(run: dict) -> str:
+        return "from their records" if "record" in run else "run by this execution"
+
+    counts = Counter((run.get("provenance", "unknown"), how(run)) for run in runs.values())
+    return "; ".join(f"{n} × {prov} ({where})" for (prov, where), n in sorted(counts.items()))
+
+
 def render_metadata(meta: dict) -> str:
     """The run's provenance as a bullet list."""
     params = ", ".join(f"`{k}={v}`" for k, v in meta["parameters"].items()
@@ -155,6 +168,7 @@ def render_metadata(meta: dict) -> str:
         "Duration": f"{meta['duration_s']:.0f} s",
         "Parameters": params or "defaults",
         "Data": data or "not recorded",
+        **({"Runs": render_runs(meta["runs"])} if meta.get("runs") else {}),
     }
     return "\n".join(f"- **{k}:** {v}" for k, v in items.items())
 
