@@ -34,6 +34,9 @@ evaluates the reader itself, not the compiled whole). A reader is entered as cut
 (:data:`CUT`) before it is measured, and a SIGTERM (a GPU session's step running out of time)
 adds the seconds it had; ``--resume`` measures a cut reader again, except one compiled whole
 that had :data:`WHOLE_FINAL_SECONDS`: so long a compilation is the finding.
+Under a CUDA graph mode (``reduce-overhead``, ``cudagraphs``) on a GPU, a graph that torch
+refuses to record is the reader's error, with torch's reason, rather than a rate of graphs run
+eagerly (``benchmarks/cudagraph_check.py`` makes the same checks on the CPU).
 ``--fp32`` measures the readers whose profile sets ``bf16`` in full precision instead (config
 ``bf16: false``: TF32 matrix products, no autocast): an eager step of QANet or DynSAN waits on
 its launches, and autocast adds a cast kernel before each matrix product and convolution whose
@@ -55,6 +58,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -73,6 +77,7 @@ from mrc_lib.bench import (  # noqa: E402
 )
 from mrc_lib.config import CHOICES, resolve_config  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
+    GRAPH_MODES,
     compiled,
     count_parameters,
     device_name,
@@ -119,9 +124,14 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
               "config_hash": records.config_hash(cfg.to_dict()),
               "speed_revision": SPEED_REVISION,
               "params": count_parameters(model), "speed": {}}
-    for k, seq_len in enumerate(seq_lens):
-        result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k), s.optimizer,
-                                              s.ema, cfg, dev, steps, infer=not whole)
+    # Under CUDA graphs on a GPU, a graph that torch refuses to record (it says why) is an
+    # error, not a graph run eagerly and timed as if it were replayed (a CPU records none).
+    graphs = bool(cfg.compile) and cfg.compile_mode in GRAPH_MODES and dev.type == "cuda"
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": graphs}):
+        for k, seq_len in enumerate(seq_lens):
+            result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k),
+                                                  s.optimizer, s.ema, cfg, dev, steps,
+                                                  infer=not whole)
     result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
     result["peak_memory_bytes"] = peak_memory_bytes(dev)
     return result

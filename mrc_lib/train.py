@@ -220,8 +220,9 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
     is, unless ``whole`` (config ``compile_whole``); any other reader's ``net`` is compiled
     whole. Mode ``cudagraphs`` is torch.compile's ``cudagraphs`` backend, not a mode of
     inductor: the graphs that AOT autograd traces replay as CUDA graphs, their operations
-    unfused.
+    unfused. Python floats are specialized (:func:`specialize_floats`).
     """
+    specialize_floats()
     net = model if net is None else net
     options = {"dynamic": True, "backend": "cudagraphs"} if mode == "cudagraphs" else \
         {"dynamic": True, "mode": None if mode == "default" else mode}
@@ -232,6 +233,16 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
         if isinstance(module, regions):
             module.compile(**options)
     return net
+
+
+def specialize_floats() -> None:
+    """Trace the Python floats a reader computes with (hyperparameters, such as DynSAN's gate
+    penalty β, Eq. 6) as constants of its graphs. With symbolic shapes torch leaves them
+    unspecialized: each becomes a float64 scalar tensor on the CPU, an input of the graph, and
+    the ``cudagraphs`` backend then replays no CUDA graph of it ("cpu device";
+    ``benchmarks/cudagraph_check.py`` finds them on the CPU). A reader's floats never change
+    between steps, so specializing costs no recompilation."""
+    torch._dynamo.config.specialize_float = True
 
 
 # The compile modes whose graphs replay as CUDA graphs (inductor's CUDA graph trees).

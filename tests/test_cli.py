@@ -192,6 +192,42 @@ def test_op_counts_count_each_readers_kernels_tiny_on_cpu(tmp_path):
         assert set(m["break_reasons"]) <= {"Attempted to wrap RNN, GRU, or LSTM"}, name
 
 
+def test_cudagraph_check_finds_a_float_hyperparameter_left_on_the_cpu():
+    """DynSAN's gate penalty (Eq. 6) multiplies by β, a Python float. Traced with symbolic
+    shapes and floats unspecialized (torch's default), β is a float64 scalar input on the CPU,
+    and the cudagraphs backend would record no graph; specialized, as the trainer traces
+    (``mrc_lib.train.specialize_floats``), the graphs are on the device alone."""
+    import torch
+    from torch import nn
+
+    from mrc_lib.models.dynsa import gate_penalty
+
+    check = load_bringup("cudagraph_check")
+
+    class Penalized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.beta = nn.Parameter(torch.ones(3, 4)), 1e-5
+
+        def forward(self, batch):  # as DynSAN.finish adds the penalty to its output
+            gates = torch.sigmoid(batch["x"] @ self.w)
+            return {"aux_loss": gate_penalty([gates], self.beta, len(gates))}
+
+    model = Penalized().to("meta")
+    batch = {"x": torch.ones(2, 5, 3, device="meta")}
+
+    def loss_of(out, batch):
+        return out["aux_loss"]
+
+    before = torch._dynamo.config.specialize_float
+    raw = check.trace(model, batch, loss_of, specialized=False)
+    assert not raw["ready"] and {"cpu"} <= set(raw["graphs"][0]["devices"])
+    ours = check.trace(model, batch, loss_of, specialized=True)
+    assert ours["ready"] and [g["graph"] for g in ours["graphs"]] == ["forward", "backward"]
+    assert all(not g["devices"] and g["nodes"] > 0 for g in ours["graphs"])
+    assert torch._dynamo.config.specialize_float is before  # put back as it was
+
+
 def test_padding_costs_count_extra_positions_and_shapes_by_hand():
     """Two batches of two: contexts 10, 12 and 30, 33 (cut at 32), questions 3, 5 and 7, 9."""
     padding = load_bringup("padding")

@@ -739,6 +739,9 @@ def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatc
     backend = [kw for kw in calls if "backend" in kw]
     assert backend and all(kw == {"dynamic": True, "backend": "cudagraphs"} for kw in backend)
     assert all(kw["dynamic"] for kw in calls)
+    # Floats are constants of the graphs: unspecialized, DynSAN's β would be a CPU input, on
+    # which no CUDA graph is recorded (benchmarks/cudagraph_check.py).
+    assert torch._dynamo.config.specialize_float
     model = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
     batch = synthetic_batch(vocab, 2, 9)
     for compile_mode, marks in (("default", 0), ("reduce-overhead", 1), ("cudagraphs", 1)):
