@@ -185,10 +185,12 @@ def lookup(path: str | Path, config: dict, digests: dict) -> dict | None:
 
 def precision(record: dict) -> str:
     """How a run computed (:func:`mrc_lib.inference.autocast`): ``bf16`` autocast only where the
-    config asks for it and the run had CUDA; else full precision, whose matrix products CUDA
+    config asks for it and the run was on CUDA; else full precision, whose matrix products CUDA
     runs in ``TF32`` (:func:`mrc_lib.train.train`) and a CPU in ``fp32``. A full-profile record
-    trained on a CPU has the same config (hash) as a GPU's, and computed in fp32."""
-    if not record.get("cuda"):
+    trained on a CPU has the same config (hash) as a GPU's, and computed in fp32. Records
+    older than their ``device_type`` ran on CUDA exactly when their torch had it."""
+    cuda = record.get("device_type", "cuda" if record.get("cuda") else "cpu") == "cuda"
+    if not cuda:
         return "fp32"
     return "bf16" if record["config"].get("bf16") else "TF32"
 

@@ -39,6 +39,7 @@ def test_a_record_is_the_metrics_without_predictions_plus_provenance(tmp_path, d
     assert back["config_hash"] == records.config_hash(toy_config().to_dict())
     assert back["examples_per_second"] > 0 and back["wall_seconds"] > 0
     assert back["complete"] and back["cuda"] == torch.version.cuda
+    assert back["device_type"] == "cpu" and records.precision(back) == "fp32"
     assert {"history", "dev", "device", "torch", "git_commit", "peak_memory_bytes",
             "data_digests", "config", "seconds_per_epoch"} <= set(back)
     assert "predictions" not in json.dumps(back) and path.stat().st_size < 20_000
@@ -56,6 +57,9 @@ def test_provenance_names_the_precision_a_run_computed_in():
     assert records.precision(gpu) == "bf16" and records.precision(cpu) == "fp32"
     assert records.precision({**gpu, "config": {**config, "bf16": False}}) == "TF32"
     assert records.provenance(cpu).startswith("AMD EPYC (fp32), 10 epoch(s) of batch 32")
+    # A CPU run of a torch built with CUDA: its device type says where it ran.
+    assert records.precision({**gpu, "device": "AMD EPYC", "device_type": "cpu"}) == "fp32"
+    assert records.precision({**gpu, "device_type": "cuda"}) == "bf16"
 
 
 def test_a_record_keeps_each_list_of_plain_values_on_one_line(tmp_path):
