@@ -76,6 +76,7 @@ from mrc_lib.bench import (  # noqa: E402
     time_steps,
 )
 from mrc_lib.config import CHOICES, resolve_config  # noqa: E402
+from mrc_lib.inference import bf16_autocast  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     GRAPH_MODES,
     compiled,
@@ -120,7 +121,7 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
         else model
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    result = {"batch_size": cfg.batch_size, "bf16": cfg.bf16 and dev.type == "cuda",
+    result = {"batch_size": cfg.batch_size, "bf16": bf16_autocast(cfg.bf16, dev.type),
               "config_hash": records.config_hash(cfg.to_dict()),
               "speed_revision": SPEED_REVISION,
               "params": count_parameters(model), "speed": {}}

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mrc_lib.config import TrainConfig, resolve_config
+from mrc_lib.inference import bf16_autocast
 from mrc_lib.models import build_model
 from mrc_lib.train import (
     EMA,
@@ -241,7 +242,7 @@ def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int 
     return {
         "model": cfg.model, "profile": profile, "device": device_name(dev),
         "torch": torch.__version__,
-        "bf16": cfg.bf16 and dev.type == "cuda", "seq_len": seq_len,
+        "bf16": bf16_autocast(cfg.bf16, dev.type), "seq_len": seq_len,
         "question_len": QUESTION_LEN, "batch_size": batch_size, "steps": steps,
         "params": count_parameters(model),
         "train_examples_per_s": train_rate,

@@ -17,10 +17,16 @@ def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tenso
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
+def bf16_autocast(bf16: bool, device_type: str) -> bool:
+    """Whether a run computes under bfloat16 autocast: where its config asks (``bf16``) and
+    only on CUDA; otherwise in full precision."""
+    return bool(bf16) and device_type == "cuda"
+
+
 def autocast(cfg: TrainConfig, device: torch.device):
-    """bfloat16 autocast when ``cfg.bf16`` and on CUDA; otherwise full precision."""
+    """bfloat16 autocast when :func:`bf16_autocast`; otherwise full precision."""
     return torch.autocast(device.type, dtype=torch.bfloat16,
-                          enabled=cfg.bf16 and device.type == "cuda")
+                          enabled=bf16_autocast(cfg.bf16, device.type))
 
 
 @torch.no_grad()

@@ -189,10 +189,12 @@ def precision(record: dict) -> str:
     runs in ``TF32`` (:func:`mrc_lib.train.train`) and a CPU in ``fp32``. A full-profile record
     trained on a CPU has the same config (hash) as a GPU's, and computed in fp32. Records
     older than their ``device_type`` ran on CUDA exactly when their torch had it."""
-    cuda = record.get("device_type", "cuda" if record.get("cuda") else "cpu") == "cuda"
-    if not cuda:
-        return "fp32"
-    return "bf16" if record["config"].get("bf16") else "TF32"
+    from mrc_lib.inference import bf16_autocast
+
+    device_type = record.get("device_type", "cuda" if record.get("cuda") else "cpu")
+    if bf16_autocast(record["config"].get("bf16"), device_type):
+        return "bf16"
+    return "TF32" if device_type == "cuda" else "fp32"
 
 
 def provenance(record: dict) -> str:
