@@ -19,7 +19,12 @@ with its parameters and a synthetic batch on the ``meta`` device. There a tensor
 only be one made apart from the reader's inputs, which on a GPU would stay on the CPU too. For
 each graph it records the nodes, the input it mutates (if any), every device other than
 ``meta`` with the first node on it, and the first operation that cannot be captured; nothing is
-computed. It traces twice: with the trainer's settings (:func:`mrc_lib.train.specialize_floats`,
+computed. It also records the graph's size inputs (SymInts), by which
+:func:`mrc_lib.train.cudagraphs_by_size` keys one recording per set of sizes, and any symbolic
+size of a tensor input that is not among them (``unkeyed``): there a recording would replay at
+other shapes, as torch's own backend, which keys none, did on an H100.
+
+It traces twice: with the trainer's settings (:func:`mrc_lib.train.specialize_floats`,
 ``specialized``) and with torch's own default (``unspecialized``), under which each Python
 float a reader computes with becomes a float64 scalar input on the CPU. A reader is ``ready``
 when no graph of the trainer's trace has any of these.
@@ -60,15 +65,32 @@ from mrc_lib.utils import atomic_write_json  # noqa: E402
 MODELS = "qanet,dynsan,phasecond"  # gpu_session.py's PROFILE_MODELS, which its graphs step times
 
 
-def check(gm: torch.fx.GraphModule, fixed: int) -> dict:
+def check(gm: torch.fx.GraphModule, fixed: int, inputs: list) -> dict:
     """What the cudagraphs backend's check would find in graph ``gm`` (its first ``fixed``
-    inputs are the parameters, which it may mutate), traced on the meta device."""
+    inputs are the parameters, which it may mutate), traced on the meta device, and the sizes
+    of its tensor ``inputs`` by which no recording would be keyed (:func:`unkeyed`)."""
     devices = {str(d): n.name for d, n in get_device_node_mapping(gm).items() if d.type != "meta"}
     unsafe = get_first_incompatible_cudagraph_node(gm)
     return {"nodes": len(gm.graph.nodes),
             "mutation": check_for_mutation_ignore_cuda_graph_managed_tensor(gm, fixed),
             "devices": devices,
-            "unsafe": None if unsafe is None else f"{unsafe.name}: {unsafe.target}"}
+            "unsafe": None if unsafe is None else f"{unsafe.name}: {unsafe.target}",
+            "sizes": sorted({str(v.node.expr) for v in inputs if isinstance(v, torch.SymInt)}),
+            "unkeyed": unkeyed(inputs)}
+
+
+def unkeyed(inputs: list) -> list[str]:
+    """The symbols in the sizes and strides of a graph's tensor ``inputs`` that are none of its
+    size inputs (SymInts). :func:`mrc_lib.train.cudagraphs_by_size` records one CUDA graph per
+    set of size inputs; a tensor size outside them would replay a recording at other shapes."""
+    keys = set().union(*(v.node.expr.free_symbols for v in inputs if isinstance(v, torch.SymInt)))
+    found = set()
+    for v in inputs:
+        if isinstance(v, torch.Tensor):
+            for n in (*v.shape, *v.stride()):
+                if isinstance(n, torch.SymInt):
+                    found |= n.node.expr.free_symbols - keys
+    return sorted(map(str, found))
 
 
 def reader(name: str, seq_len: int, tiny: bool, specialized: bool) -> dict:
@@ -93,11 +115,11 @@ def trace(model: torch.nn.Module, batch: dict, loss_of, specialized: bool) -> di
         """The cudagraphs backend's AOT autograd, with :func:`check` for its recording."""
         def forward(gm, inputs):
             fixed = num_fw_fixed_arguments(len(dynamo_inputs), len(inputs))
-            graphs.append({"graph": "forward", **check(gm, fixed)})
+            graphs.append({"graph": "forward", **check(gm, fixed, inputs)})
             return boxed_nop(gm, inputs)
 
         def backward(gm, inputs):
-            graphs.append({"graph": "backward", **check(gm, count_tangents(gm))})
+            graphs.append({"graph": "backward", **check(gm, count_tangents(gm), inputs)})
             return boxed_nop(gm, inputs)
 
         return aot_autograd(fw_compiler=forward, bw_compiler=backward)(dynamo_gm, dynamo_inputs)
@@ -116,7 +138,8 @@ def trace(model: torch.nn.Module, batch: dict, loss_of, specialized: bool) -> di
     finally:
         torch._dynamo.config.specialize_float = before
         torch._dynamo.reset()
-    ready = all(not g["mutation"] and not g["devices"] and not g["unsafe"] for g in graphs)
+    ready = all(not (g["mutation"] or g["devices"] or g["unsafe"] or g["unkeyed"])
+                for g in graphs)
     return {"ready": ready, "seconds": round(seconds, 1), "graphs": graphs}
 
 

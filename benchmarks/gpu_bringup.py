@@ -78,6 +78,7 @@ from mrc_lib.bench import (  # noqa: E402
 from mrc_lib.config import CHOICES, resolve_config  # noqa: E402
 from mrc_lib.inference import bf16_autocast  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
+    COMPILE_REVISION,
     GRAPH_MODES,
     compiled,
     count_parameters,
@@ -141,8 +142,9 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
 # A reader compiled whole and cut after this long is not tried again: every process of a GPU
 # command (8.5 minutes at most) would compile as long before its first step.
 WHOLE_FINAL_SECONDS = 240
-SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_whole", "fp32",
-            "tiny", "seq_lens", "steps")  # a file holds compile_whole, fp32 only when true
+SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_revision",
+            "compile_whole", "fp32", "tiny", "seq_lens", "steps")  # a file holds the last
+# three only where they apply (compile_revision under --compile, the others when true)
 
 
 def kept(out: Path, results: dict, device: str) -> dict:
@@ -205,6 +207,8 @@ def main(argv=None) -> dict:
                "cuda": torch.version.cuda, "compile": args.compile,
                "compile_mode": args.compile_mode if args.compile else None, "tiny": args.tiny,
                "seq_lens": seq_lens, "steps": steps, "models": {}}
+    if args.compile:
+        results["compile_revision"] = COMPILE_REVISION
     if args.compile and args.whole:
         results["compile_whole"] = True
     if args.fp32:

@@ -277,7 +277,7 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
     again), or the ``whole`` readers at two, for longer (the whole step compiles at once: QANet's
     took several times its blocks' time on a CPU)."""
     def skip(s: Session) -> str | None:
-        return "CUDA only" if s.tiny else chip_skip(s, file)
+        return "CUDA only" if s.tiny else None if earlier_error(s, file) else chip_skip(s, file)
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
@@ -286,6 +286,18 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
                 "--out", str(s.resumed(file))]
 
     return Step(name, 300, 200, skip, argv) if whole else Step(name, 180, 120, skip, argv)
+
+
+def earlier_error(s: Session, file: str) -> bool:
+    """Whether compile file ``file`` on file for the chip holds a reader's error from an
+    earlier revision of ``compiled()``'s tracing (:data:`mrc_lib.train.COMPILE_REVISION`),
+    which that revision may have fixed: then its step runs again."""
+    from mrc_lib.bench import CUT
+    from mrc_lib.train import COMPILE_REVISION
+
+    found = s.on_file(file, chip=True)
+    return found is not None and found.get("compile_revision", 1) < COMPILE_REVISION and any(
+        m.get("error") not in (None, CUT) for m in found.get("models", {}).values())
 
 
 def fp32_skip(s: Session) -> str | None:

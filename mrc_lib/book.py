@@ -290,12 +290,14 @@ VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_red
 
 
 def variant_cell(entry: dict):
-    """A variant's seconds per SQuAD epoch, or, for a reader whose compilation its step's time
-    cut, how long it had compiled."""
+    """A variant's seconds per SQuAD epoch; for a reader whose compilation its step's time
+    cut, how long it had compiled; for one whose step raised an error, that it failed."""
     from mrc_lib.bench import CUT
 
     if entry.get("error") == CUT and "seconds" in entry:
         return f"cut after {entry['seconds']:.0f} s"
+    if entry.get("error") and entry["error"] != CUT:
+        return "failed"
     return entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
 
 
@@ -398,7 +400,8 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "compile their repeated blocks, or, under *Whole*, the whole reader; under "
                   "*Graphs only*, the whole reader's forward and backward as traced, replayed "
                   "as CUDA graphs without inductor's kernels (`compile_mode: cudagraphs`). "
-                  "*Cut after* gives how long a compilation had run when its step's time ended "
+                  "*Cut after* gives how long a compilation had run when its step's time ended; "
+                  "*failed*, that it raised an error, which its file keeps "
                   "(`benchmarks/gpu_bringup.py`, files `benchmarks/results/gpu_*.json`)."
                   " Issue 13's targets for one H100: BiDAF 60 s, QANet 45 s. *Config* says "
                   "whether the reader is still configured as it was measured.",

@@ -98,8 +98,9 @@ class TrainConfig:
         compile_mode: :func:`torch.compile`'s ``mode`` with ``compile``: ``reduce-overhead``
             replays each compiled graph as a CUDA graph (one recording per batch shape: use it
             with ``pad_multiple``); ``cudagraphs`` replays the traced forward and backward as
-            CUDA graphs without inductor's kernels (torch.compile's ``cudagraphs`` backend):
-            no fusion, but no launch per operation either, at a compilation that traces only.
+            CUDA graphs without inductor's kernels (torch.compile's ``cudagraphs`` backend,
+            one recording per batch shape too: :func:`mrc_lib.train.cudagraphs_by_size`): no
+            fusion, but no launch per operation either, at a compilation that traces only.
         compile_whole: with ``compile``, compile the reader's whole forward as one graph even
             where it names repeated blocks to compile in place (``compile_regions``): what the
             blocks leave eager (embeddings, attention between them, pointers) is compiled too,

@@ -207,6 +207,14 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
                 fused=device.type == "cuda")
 
 
+# How compiled() traces a reader, as the compiled bring-ups know it (each compiled file records
+# it): a change in its tracing raises it, and a GPU session then measures again a compile step
+# whose file holds an error of an earlier revision (benchmarks/gpu_session.py), which the
+# change may have fixed. 1: torch's own cudagraphs backend, the backward traced under the
+# forward's autocast (to 2026-11-27); 2: cudagraphs_by_size, the backward outside autocast.
+COMPILE_REVISION = 2
+
+
 def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "default",
              whole: bool = False) -> nn.Module:
     """``model`` (run as ``net``, ``model`` itself by default) for training through
@@ -219,12 +227,15 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
     share, compiled in a fraction of the time of the whole step) and ``net`` is returned as it
     is, unless ``whole`` (config ``compile_whole``); any other reader's ``net`` is compiled
     whole. Mode ``cudagraphs`` is torch.compile's ``cudagraphs`` backend, not a mode of
-    inductor: the graphs that AOT autograd traces replay as CUDA graphs, their operations
-    unfused. Python floats are specialized (:func:`specialize_floats`).
+    inductor (:func:`cudagraphs_by_size`): the graphs that AOT autograd traces replay as CUDA
+    graphs, their operations unfused. Python floats are specialized
+    (:func:`specialize_floats`) and the backward computes as eager's does
+    (:func:`backward_outside_autocast`).
     """
     specialize_floats()
+    backward_outside_autocast()
     net = model if net is None else net
-    options = {"dynamic": True, "backend": "cudagraphs"} if mode == "cudagraphs" else \
+    options = {"dynamic": True, "backend": cudagraphs_by_size} if mode == "cudagraphs" else \
         {"dynamic": True, "mode": None if mode == "default" else mode}
     regions = () if whole else getattr(model, "compile_regions", ())
     if not regions:
@@ -235,6 +246,33 @@ def compiled(model: nn.Module, net: nn.Module | None = None, mode: str = "defaul
     return net
 
 
+def cudagraphs_by_size(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    """torch.compile's ``cudagraphs`` backend, recording one CUDA graph per set of sizes.
+
+    The backend's recorder (``cudagraphify_impl`` of ``torch/_inductor/cudagraph_trees.py``)
+    keys its recordings by the graph's inputs that are ints when it is built. Under symbolic
+    shapes those inputs are SymInts, so it keys nothing and replays its first recording at
+    every size: on an H100, "The size of tensor a (140) must match the size of tensor b (400)"
+    (``benchmarks/results/gpu_*_compile_whole_cudagraphs.json``). Here the recorder is built
+    with each SymInt given as an int, so it keys every recording by the sizes it was recorded
+    at, as inductor's own CUDA graph trees do. Each tensor size of a reader's graphs is one of
+    those inputs (``keyed`` in ``benchmarks/cudagraph_check.py``)."""
+    import torch._inductor.cudagraph_trees as trees
+    from torch._dynamo.backends.cudagraphs import cudagraphs
+
+    record = trees.cudagraphify_impl
+
+    def keyed(model, inputs, *args, **kwargs):
+        return record(model, [0 if isinstance(v, torch.SymInt) else v for v in inputs],
+                      *args, **kwargs)
+
+    trees.cudagraphify_impl = keyed  # the backend imports it when called, binding it for good
+    try:
+        return cudagraphs(gm, example_inputs)
+    finally:
+        trees.cudagraphify_impl = record
+
+
 def specialize_floats() -> None:
     """Trace the Python floats a reader computes with (hyperparameters, such as DynSAN's gate
     penalty β, Eq. 6) as constants of its graphs. With symbolic shapes torch leaves them
@@ -243,6 +281,17 @@ def specialize_floats() -> None:
     ``benchmarks/cudagraph_check.py`` finds them on the CPU). A reader's floats never change
     between steps, so specializing costs no recompilation."""
     torch._dynamo.config.specialize_float = True
+
+
+def backward_outside_autocast() -> None:
+    """Trace a compiled reader's backward without autocast, as :func:`train_step` runs eager's
+    (``loss.backward()`` after the autocast block). torch's default (``same_as_forward``)
+    traces it under the forward's bf16 autocast: gradients computed in other precisions than
+    eager's, and on an H100 PhaseCond's traced backward failed in autocast's type promotion
+    ("Unexpected floating ScalarType in at::autocast::prioritize")."""
+    from torch._functorch import config
+
+    config.backward_pass_autocast = "off"
 
 
 # The compile modes whose graphs replay as CUDA graphs (inductor's CUDA graph trees).

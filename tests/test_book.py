@@ -292,6 +292,8 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
         "bidaf": bidaf, "qanet": {"error": "OutOfMemoryError"}}}))
     (results / "gpu_x_compile.json").write_text(json.dumps({"device": "X", "models": {
         "bidaf": {"speed": {"140": {"epoch_seconds": 30.0}, "400": {"epoch_seconds": 40.0}}}}}))
+    (results / "gpu_x_compile_reduce_overhead.json").write_text(json.dumps(
+        {"device": "X", "models": {"bidaf": {"error": "RuntimeError: boom"}}}))
     (results / "gpu_x_compile_whole_reduce_overhead.json").write_text(json.dumps(
         {"device": "X", "models": {"bidaf": {"speed": {"400": {"epoch_seconds": 20.0}}}}}))
     (results / "gpu_x_compile_whole_cudagraphs.json").write_text(json.dumps(
@@ -315,9 +317,9 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
             in page)
     assert "| dynsan | Y |" not in page
     # Eager, eager in full precision, compiled and compiled whole under CUDA graphs at 400
-    # tokens, and a whole trace cut while it compiled; no file of CUDA graphs of the blocks; a
-    # failed reader and --tiny left out.
-    assert ("| bidaf | X | 60 | no | 46.9 | 44 | 40 | — | 20 | cut after 298 s | 1866 | 2 | "
+    # tokens, and a whole trace cut while it compiled; CUDA graphs of the blocks failed; a
+    # reader failed eager and --tiny left out.
+    assert ("| bidaf | X | 60 | no | 46.9 | 44 | 40 | failed | 20 | cut after 298 s | 1866 | 2 | "
             "earlier |") in page
     assert "| qanet | X" not in page and "| cpu |" not in page
     # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.

@@ -109,6 +109,9 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     out.write_text(json.dumps(dict(blocks, compile_whole=True, models=first["models"])))
     assert bringup.kept(out, blocks, "cpu") == {}
     assert set(bringup.kept(out, dict(blocks, compile_whole=True), "cpu")) == {"bidaf", "san"}
+    # ... and of today's tracing (that file has no compile_revision: of the first)
+    today = dict(blocks, compile_whole=True, compile_revision=bringup.COMPILE_REVISION)
+    assert bringup.kept(out, today, "cpu") == {}
     # A reader is entered as cut before its measurement, and a SIGTERM adds its seconds
     # (with the seconds it had): measured again on --resume, except when compiled whole and
     # cut after WHOLE_FINAL_SECONDS (so long a compilation is the finding).
@@ -225,6 +228,8 @@ def test_cudagraph_check_finds_a_float_hyperparameter_left_on_the_cpu():
     ours = check.trace(model, batch, loss_of, specialized=True)
     assert ours["ready"] and [g["graph"] for g in ours["graphs"]] == ["forward", "backward"]
     assert all(not g["devices"] and g["nodes"] > 0 for g in ours["graphs"])
+    # every symbolic size of a graph's tensors is one of its size inputs, which key recordings
+    assert all(g["sizes"] and not g["unkeyed"] for g in ours["graphs"])
     assert torch._dynamo.config.specialize_float is before  # put back as it was
 
 

@@ -212,6 +212,32 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
     assert steps["packing"].skip(other) is None  # another chip
 
 
+def test_a_compile_step_runs_again_for_an_error_of_an_earlier_tracing(tmp_path):
+    """A compile file on file for the chip, whole, in which a reader failed under an earlier
+    revision of ``compiled()``'s tracing, is measured again: the revision may have fixed it (on
+    an H100 torch's cudagraphs backend replayed a graph at other sizes). An error under today's
+    tracing, or a compilation cut, is the finding, and stays."""
+    from mrc_lib.bench import CUT
+    from mrc_lib.train import COMPILE_REVISION
+
+    results = tmp_path / "results"
+    results.mkdir()
+    s = session(tmp_path / "w", tiny=False, results=results)
+    s = gs.Session(s.args, "NVIDIA H100 80GB HBM3", s.work, results, time.time() + 60)
+    graphs = next(step for step in gs.STEPS if step.name == "graphs")
+    path = results / "gpu_nvidia_h200_compile_whole_cudagraphs.json"
+
+    def on_file(error, **revision):
+        path.write_text(json.dumps({"device": "NVIDIA H200", "complete": True, **revision,
+                                    "models": {"qanet": {"error": error}, "bidaf": {}}}))
+        return graphs.skip(s)
+
+    assert on_file("RuntimeError: The size of tensor a (140) must match") is None
+    same_chip = "on file for the NVIDIA H200 (the same chip)"
+    assert on_file("RuntimeError: boom", compile_revision=COMPILE_REVISION) == same_chip
+    assert on_file(CUT) == same_chip
+
+
 def test_a_carry_over_too_large_beside_the_data_travels_in_calls_of_its_own(tmp_path,
                                                                            monkeypatch):
     """``prepare`` moves the committed carry-over out of the tree and names the calls: the

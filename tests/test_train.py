@@ -721,6 +721,78 @@ def test_cudagraphs_mode_trains_as_eager():
     assert losses["cudagraphs"] == pytest.approx(losses["eager"], rel=1e-5)
 
 
+def test_cudagraphs_backend_keys_each_recording_by_its_sizes(monkeypatch):
+    """Under symbolic shapes torch's own ``cudagraphs`` backend keys no recording by the sizes
+    it was recorded at, and replays the first at every size (on an H100: "The size of tensor a
+    (140) must match the size of tensor b (400)"); :func:`engine.cudagraphs_by_size` keys each.
+    On the CPU the recorder is a stand-in that keys as torch's does (by the inputs that are
+    ints when it is built) and refuses a key seen before at other shapes."""
+    import torch._dynamo.backends.cudagraphs as backend
+    import torch._inductor.cudagraph_trees as trees
+
+    keys = []
+
+    def recorder(model, inputs, static_input_idxs, **kwargs):
+        at = [i for i, v in enumerate(inputs) if isinstance(v, int)]
+        shapes_of = {}
+
+        def replay(args):
+            key = tuple(args[i] for i in at)
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            if shapes_of.setdefault(key, shapes) != shapes:
+                raise RuntimeError(f"recorded at {shapes_of[key]}, replayed at {shapes}")
+            keys.append(key)
+            return model(args)
+        return replay
+
+    monkeypatch.setattr(trees, "cudagraphify_impl", recorder)
+    monkeypatch.setattr(backend, "check_for_skip", lambda *args: None)  # it refuses the CPU
+    monkeypatch.setattr(backend, "get_device_index", lambda gm: 0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+    def steps(compiled_net):
+        for length in (3, 5, 3):
+            compiled_net(torch.randn(2, length, 4)).sum().backward()
+
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="replayed at"):
+        steps(torch.compile(net, backend="cudagraphs", dynamic=True))
+    torch._dynamo.reset()
+    keys.clear()
+    steps(engine.compiled(net, mode="cudagraphs"))
+    torch._dynamo.reset()
+    # the forward's and the backward's recorder each record at 3 and 5 tokens, then replay 3
+    assert len(set(keys)) == 4 and keys[4:] == keys[:2]
+
+
+def test_compiled_backward_computes_as_eager_backward_under_autocast():
+    """``loss.backward()`` runs after the autocast block in :func:`engine.train_step`, so a
+    compiled reader's backward is traced without autocast too
+    (:func:`engine.backward_outside_autocast`): torch's default traces it under the forward's,
+    and a full-precision region's gradient then differs from eager's."""
+
+    class Region(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                return x.float() @ self.w.float().T
+
+    torch.manual_seed(0)
+    region, x = Region(), torch.randn(4, 64)
+    grads = []
+    for net in (region, engine.compiled(region, mode="cudagraphs")):
+        region.w.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = net(x)
+        y.sum().backward()
+        grads.append(region.w.grad.clone())
+    torch._dynamo.reset()
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatch):
     """``compile_mode`` is torch.compile's ``mode`` (``default``: its own default, None), for a
     whole reader and for regions, and ``cudagraphs`` its backend; under both of these every
@@ -737,11 +809,13 @@ def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatc
             engine.compiled(model, mode=mode)
     assert {kw.get("mode") for kw in calls if "backend" not in kw} == {None, "reduce-overhead"}
     backend = [kw for kw in calls if "backend" in kw]
-    assert backend and all(kw == {"dynamic": True, "backend": "cudagraphs"} for kw in backend)
+    assert backend and all(kw == {"dynamic": True, "backend": engine.cudagraphs_by_size}
+                           for kw in backend)
     assert all(kw["dynamic"] for kw in calls)
     # Floats are constants of the graphs: unspecialized, DynSAN's β would be a CPU input, on
     # which no CUDA graph is recorded (benchmarks/cudagraph_check.py).
     assert torch._dynamo.config.specialize_float
+    assert torch._functorch.config.backward_pass_autocast == "off"
     model = build_model("bidaf", vocab, **resolve_config("bidaf", profile="smoke").hparams)
     batch = synthetic_batch(vocab, 2, 9)
     for compile_mode, marks in (("default", 0), ("reduce-overhead", 1), ("cudagraphs", 1)):
