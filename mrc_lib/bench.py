@@ -40,8 +40,10 @@ SQUAD_TRAIN_EXAMPLES = 87_599
 # a change that makes a step faster or slower without changing any config raises it, and a GPU
 # session then measures the eager bring-up and the profile again (benchmarks/gpu_session.py).
 # 1: the first bring-ups and the first profile (2026-11-24 to 26); 2: padding zeroed by one
-# multiplication (mrc_lib.nn.zero_padding) instead of masked_fill's negation, copy and fill.
-SPEED_REVISION = 2
+# multiplication (mrc_lib.nn.zero_padding) instead of masked_fill's negation, copy and fill;
+# 3: RNN layers in full precision under bf16 autocast, where torch ran them in fp16
+# (mrc_lib.nn.rnn.full_precision).
+SPEED_REVISION = 3
 # A bring-up entry's error while its measurement runs, kept with the seconds it had when its
 # command was cut (benchmarks/gpu_bringup.py; the Full-scale runs page shows them).
 CUT = "cut: the command ended before this reader's measurement did"

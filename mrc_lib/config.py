@@ -93,7 +93,8 @@ class TrainConfig:
         eval_batch_size: examples per forward pass in evaluation and prediction.
         seed: seeds Python, NumPy and torch, and the batch order.
         device: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
-        bf16: bfloat16 autocast for forward passes (CUDA only; ignored on CPU).
+        bf16: bfloat16 autocast for forward passes (CUDA only; ignored on CPU); RNN layers
+            compute in full precision even so (:func:`mrc_lib.nn.rnn.full_precision`).
         compile: wrap the model in :func:`torch.compile` for training.
         compile_mode: :func:`torch.compile`'s ``mode`` with ``compile``: ``reduce-overhead``
             replays each compiled graph as a CUDA graph (one recording per batch shape: use it

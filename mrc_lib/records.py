@@ -22,6 +22,7 @@ a chapter measures at the full profile (speed, memory) is a record too, of kind
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -188,13 +189,39 @@ def precision(record: dict) -> str:
     config asks for it and the run was on CUDA; else full precision, whose matrix products CUDA
     runs in ``TF32`` (:func:`mrc_lib.train.train`) and a CPU in ``fp32``. A full-profile record
     trained on a CPU has the same config (hash) as a GPU's, and computed in fp32. Records
-    older than their ``device_type`` ran on CUDA exactly when their torch had it."""
+    older than their ``device_type`` ran on CUDA exactly when their torch had it.
+
+    Under bf16 a reader's RNN layers are named apart: in full precision (the record's
+    ``rnn_precision``), or, in a record older than that key, in fp16, as torch's autocast ran
+    cuDNN RNNs then (:func:`mrc_lib.nn.rnn.full_precision`)."""
     from mrc_lib.inference import bf16_autocast
 
     device_type = record.get("device_type", "cuda" if record.get("cuda") else "cpu")
     if bf16_autocast(record["config"].get("bf16"), device_type):
-        return "bf16"
+        rnns = record["rnn_precision"] if "rnn_precision" in record else \
+            "fp16" if has_rnns(record["config"]) else None
+        return "bf16" if rnns is None else f"bf16, RNNs {rnns}"
     return "TF32" if device_type == "cuda" else "fp32"
+
+
+@functools.lru_cache(maxsize=64)
+def _has_rnns(model: str, hparams: str) -> bool:
+    import torch
+
+    from mrc_lib.bench import SyntheticVocab
+    from mrc_lib.models import build_model
+
+    with torch.device("meta"):
+        reader = build_model(model, SyntheticVocab.random(size=1_000), **json.loads(hparams))
+    return any(isinstance(m, torch.nn.RNNBase) for m in reader.modules())
+
+
+def has_rnns(config: dict) -> bool:
+    """Whether the reader ``config`` builds has RNN layers (built on the meta device)."""
+    from mrc_lib.models import MODELS
+
+    return config.get("model") in MODELS and \
+        _has_rnns(config["model"], json.dumps(config.get("hparams", {}), sort_keys=True))
 
 
 def provenance(record: dict) -> str:

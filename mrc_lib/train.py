@@ -408,6 +408,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def rnn_precision(model: nn.Module, device: torch.device) -> str | None:
+    """How the reader's RNN layers compute (:func:`mrc_lib.nn.rnn.full_precision`): TF32 on
+    CUDA, fp32 on a CPU; ``None`` for a reader without any."""
+    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
+        return None
+    return "TF32" if device.type == "cuda" else "fp32"
+
+
 def count_parameters(model: nn.Module) -> dict[str, int]:
     """Trainable parameters, and all of them with the buffers (e.g. the fixed GloVe rows)."""
     tensors = itertools.chain(model.parameters(), model.buffers())
@@ -761,6 +769,7 @@ class Trainer:
             "peak_memory_bytes": peak_memory_bytes(self.device),
             "params": count_parameters(self.model),
             "device": device_name(self.device), "device_type": self.device.type,
+            "rnn_precision": rnn_precision(self.model, self.device),
             "world_size": self.process.world_size,
             "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": self.commit,
             "complete": self._finished_all(),

@@ -529,6 +529,23 @@ def test_rnn_gradients_reach_every_parameter():
     assert_grads_reach_every_parameter(rnn, out.square().sum() + final.square().sum())
 
 
+def test_rnn_layers_compute_in_full_precision_under_autocast():
+    """torch's autocast would run a cuDNN layer in float16 whatever its dtype; the encoder runs
+    each layer with autocast off on a float32 input (``full_precision``), here under the CPU's
+    bf16 autocast, fed a bf16 input as an autocast linear layer gives it."""
+    rnn = RNN(4, 3, num_layers=2, cell="gru").eval()
+    seen = []
+    for layer in rnn.layers:
+        layer.register_forward_pre_hook(
+            lambda m, args: seen.append((torch.is_autocast_enabled("cpu"), args[0].dtype)))
+    x, mask = torch.randn(2, 5, 4), lengths_mask([5, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, final = rnn.encode(x.bfloat16(), mask)
+    assert seen == [(False, torch.float32)] * 2
+    assert out.dtype == final.dtype == torch.float32
+    torch.testing.assert_close(out, rnn(x.bfloat16().float(), mask))
+
+
 def test_rnn_rejects_unknown_cell():
     with pytest.raises(UserError, match="unknown RNN cell"):
         RNN(4, 3, cell="rnn")

@@ -40,6 +40,7 @@ def test_a_record_is_the_metrics_without_predictions_plus_provenance(tmp_path, d
     assert back["examples_per_second"] > 0 and back["wall_seconds"] > 0
     assert back["complete"] and back["cuda"] == torch.version.cuda
     assert back["device_type"] == "cpu" and records.precision(back) == "fp32"
+    assert back["rnn_precision"] is None  # the toy reader has no RNN
     assert {"history", "dev", "device", "torch", "git_commit", "peak_memory_bytes",
             "data_digests", "config", "seconds_per_epoch"} <= set(back)
     assert "predictions" not in json.dumps(back) and path.stat().st_size < 20_000
@@ -60,6 +61,13 @@ def test_provenance_names_the_precision_a_run_computed_in():
     # A CPU run of a torch built with CUDA: its device type says where it ran.
     assert records.precision({**gpu, "device": "AMD EPYC", "device_type": "cpu"}) == "fp32"
     assert records.precision({**gpu, "device_type": "cuda"}) == "bf16"
+    # A bf16 reader's RNN layers: in full precision (the record says so), or, in a record
+    # older than rnn_precision, in fp16, as torch's autocast ran cuDNN RNNs; QANet has none.
+    ea = {**gpu, "config": {**config, "model": "ea_reader", "hparams": {}}}
+    assert records.precision(ea) == "bf16, RNNs fp16"
+    assert records.precision({**ea, "rnn_precision": "TF32"}) == "bf16, RNNs TF32"
+    assert records.precision({**ea, "config": {**ea["config"], "model": "qanet"}}) == "bf16"
+    assert records.precision({**ea, "rnn_precision": None}) == "bf16"
 
 
 def test_a_record_keeps_each_list_of_plain_values_on_one_line(tmp_path):
@@ -218,3 +226,12 @@ def test_start_takes_chapter_and_retrain_from_the_environment(tmp_path, monkeypa
     assert (run.chapter, run.retrain, run.records_only) == ("08_y", True, False)
     monkeypatch.setenv("MRC_RECORDS_ONLY", "1")
     assert notebook.start("smoke", 0, "", "cpu", str(tmp_path / "o")).records_only
+
+
+def test_rnn_precision_names_how_a_readers_rnn_layers_compute():
+    from mrc_lib.nn import RNN
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert engine.rnn_precision(torch.nn.Linear(2, 2), cuda) is None
+    assert engine.rnn_precision(RNN(2, 2), cpu) == "fp32"
+    assert engine.rnn_precision(RNN(2, 2), cuda) == "TF32"

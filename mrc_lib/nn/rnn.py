@@ -1,5 +1,7 @@
 """Recurrent encoders over padded batches, with variational (locked) or standard dropout."""
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
@@ -34,7 +36,8 @@ class RNN(nn.Module):
     DrQA). Padding never reaches a real position, and outputs at padding positions are exactly
     0 (see :meth:`encode`). ``locked``: one dropout mask per sequence (variational dropout,
     Gal & Ghahramani 2016); otherwise a new mask at every position (standard dropout,
-    Srivastava et al. 2014).
+    Srivastava et al. 2014). The layers compute in full precision, also under autocast
+    (:func:`full_precision`).
     """
 
     def __init__(
@@ -95,16 +98,30 @@ class RNN(nn.Module):
         for rnn in self.layers:
             x = self.dropout(x)
             if self.bidirectional:
-                out = rnn(torch.cat([x, take(x, to_end)]))[0]  # [2B, L, 2h]
+                out = full_precision(rnn, torch.cat([x, take(x, to_end)]))  # [2B, L, 2h]
                 x = torch.cat([out[:B, :, :h], take(out[B:, :, h:], back)], dim=-1)
             else:
-                x = rnn(x)[0]
+                x = full_precision(rnn, x)
             outputs.append(x)
         out = torch.cat(outputs, dim=-1) if self.concat_layers else outputs[-1]
         last = take(outputs[-1], (lengths - 1).clamp(min=0))[:, 0]  # [B, (2)h]
         final = torch.cat([last[:, :h], outputs[-1][:, 0, h:]], -1) if self.bidirectional else last
         return (zero_padding(out, mask),
                 final.masked_fill(lengths == 0, 0.0))
+
+
+def full_precision(rnn: nn.RNNBase, x: Tensor) -> Tensor:
+    """The outputs of layer ``rnn`` for ``x``, in full precision also under autocast (TF32
+    matrix products on CUDA). torch's autocast runs a cuDNN RNN in float16 whatever its dtype
+    (``_cudnn_rnn_cast_reflatten``, ``aten/src/ATen/cudnn/AutocastRNN.cpp``): a bf16 reader's
+    RNNs computed in fp16, without the loss scaling fp16 needs, as PhaseCond's outputs showed
+    on an H100. The reader's other operations keep their autocast precision. (A device without
+    autocast, such as ``meta``, where ``benchmarks/cudagraph_check.py`` traces, has none to
+    turn off.)"""
+    device = x.device.type
+    with torch.autocast(device, enabled=False) if torch.amp.is_autocast_available(device) \
+            else contextlib.nullcontext():
+        return rnn(x.float())[0]
 
 
 def take(x: Tensor, index: Tensor) -> Tensor:
