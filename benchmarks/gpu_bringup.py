@@ -68,6 +68,7 @@ from mrc_lib.bench import (  # noqa: E402
     CUT,
     SPEED_REVISION,
     SQUAD_TRAIN_EXAMPLES,
+    WHOLE_FINAL_SECONDS,
     full_readers,
     overrides,
     reader_hash,
@@ -139,9 +140,6 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     return result
 
 
-# A reader compiled whole and cut after this long is not tried again: every process of a GPU
-# command (8.5 minutes at most) would compile as long before its first step.
-WHOLE_FINAL_SECONDS = 240
 SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_revision",
             "compile_whole", "fp32", "tiny", "seq_lens", "steps")  # a file holds the last
 # three only where they apply (compile_revision under --compile, the others when true)

@@ -276,16 +276,44 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
     ``compile_regions`` at three lengths (the third shows whether a new length compiles
     again), or the ``whole`` readers at two, for longer (the whole step compiles at once: QANet's
     took several times its blocks' time on a CPU)."""
+    def left(s: Session) -> list[str]:
+        final = final_on_chip(s, file) if whole else set()
+        return [name for name in models.split(",") if name not in final]
+
     def skip(s: Session) -> str | None:
-        return "CUDA only" if s.tiny else None if earlier_error(s, file) else chip_skip(s, file)
+        if s.tiny:
+            return "CUDA only"
+        if earlier_error(s, file):
+            return None
+        if not left(s):
+            return "every reader compiled whole on this chip, or cut after a final time"
+        return chip_skip(s, file)
 
     def argv(s: Session, budget: float) -> list[str]:
         return [PY, "benchmarks/gpu_bringup.py", "--compile", "--compile-mode", mode,
-                *(["--whole"] if whole else []), "--models", models,
+                *(["--whole"] if whole else []), "--models", ",".join(left(s)),
                 "--seq-len", "140,400" if whole else "140,400,250", "--resume",
                 "--out", str(s.resumed(file))]
 
     return Step(name, 300, 200, skip, argv) if whole else Step(name, 180, 120, skip, argv)
+
+
+def final_on_chip(s: Session, file: str) -> set[str]:
+    """The readers that whole-reader compile file ``file`` of this GPU, or of another on its
+    chip, holds as final: measured, or cut after :data:`mrc_lib.bench.WHOLE_FINAL_SECONDS`
+    of compiling (so long a compilation is the finding). A step measures only the others: a
+    GPU on the chip that is new to the step does not compile QANet whole again for minutes."""
+    from mrc_lib.bench import CUT, WHOLE_FINAL_SECONDS
+
+    final = set()
+    for device in (s.device, *queue.chip_mates(s.device)):
+        for folder in (s.work / "results", s.results):
+            path = folder / file.format(device=slug(device))
+            models = json.loads(path.read_text(encoding="utf-8")).get("models", {}) \
+                if path.is_file() else {}
+            final |= {name for name, m in models.items() if "error" not in m or (
+                m["error"] == CUT and m.get("seconds", 0) >= WHOLE_FINAL_SECONDS)}
+    return final
 
 
 def earlier_error(s: Session, file: str) -> bool:

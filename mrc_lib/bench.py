@@ -47,6 +47,10 @@ SPEED_REVISION = 3
 # A bring-up entry's error while its measurement runs, kept with the seconds it had when its
 # command was cut (benchmarks/gpu_bringup.py; the Full-scale runs page shows them).
 CUT = "cut: the command ended before this reader's measurement did"
+# A reader compiled whole and cut after this long is not tried again, on its GPU or another on
+# its chip: every process of a GPU command (8.5 minutes at most) would compile as long before
+# its first step.
+WHOLE_FINAL_SECONDS = 240
 QUESTION_LEN = 30
 WORD_CHARS = 16  # the data pipeline truncates words to 16 characters
 WARMUP_STEPS = 3

@@ -256,7 +256,7 @@ def cudagraphs_by_size(gm: torch.fx.GraphModule, example_inputs: list) -> object
     (``benchmarks/results/gpu_*_compile_whole_cudagraphs.json``). Here the recorder is built
     with each SymInt given as an int, so it keys every recording by the sizes it was recorded
     at, as inductor's own CUDA graph trees do. Each tensor size of a reader's graphs is one of
-    those inputs (``keyed`` in ``benchmarks/cudagraph_check.py``)."""
+    those inputs (none is ``unkeyed`` in ``benchmarks/cudagraph_check.py``)."""
     import torch._inductor.cudagraph_trees as trees
     from torch._dynamo.backends.cudagraphs import cudagraphs
 

@@ -238,6 +238,33 @@ def test_a_compile_step_runs_again_for_an_error_of_an_earlier_tracing(tmp_path):
     assert on_file(CUT) == same_chip
 
 
+def test_a_whole_compile_step_measures_only_the_readers_not_final_on_the_chip(tmp_path):
+    """The H200 compiled QANet whole under reduce-overhead for 298 s before its command was
+    cut: on an H100 (the same chip) the step compiles DynSAN alone, and once DynSAN is
+    measured there the step is not needed. A cut shorter than the final time is tried again."""
+    from mrc_lib.bench import CUT, WHOLE_FINAL_SECONDS
+
+    results = tmp_path / "results"
+    results.mkdir()
+    s = session(tmp_path / "w", tiny=False, results=results)
+    s = gs.Session(s.args, "NVIDIA H100 80GB HBM3", s.work, results, time.time() + 60)
+    whole = next(step for step in gs.STEPS if step.name == "compile_whole")
+
+    def models(argv):
+        return argv[argv.index("--models") + 1]
+
+    h200 = results / "gpu_nvidia_h200_compile_whole_reduce_overhead.json"
+    h200.write_text(json.dumps({"device": "NVIDIA H200", "models": {
+        "qanet": {"error": CUT, "seconds": WHOLE_FINAL_SECONDS - 1}}}))
+    assert whole.skip(s) is None and models(whole.argv(s, 300)) == "qanet,dynsan"
+    h200.write_text(json.dumps({"device": "NVIDIA H200", "models": {
+        "qanet": {"error": CUT, "seconds": 298.3}}}))
+    assert whole.skip(s) is None and models(whole.argv(s, 300)) == "dynsan"
+    (results / "gpu_nvidia_h100_80gb_hbm3_compile_whole_reduce_overhead.json").write_text(
+        json.dumps({"device": s.device, "models": {"dynsan": {"speed": {}}}}))
+    assert whole.skip(s).startswith("every reader compiled whole on this chip")
+
+
 def test_a_carry_over_too_large_beside_the_data_travels_in_calls_of_its_own(tmp_path,
                                                                            monkeypatch):
     """``prepare`` moves the committed carry-over out of the tree and names the calls: the
