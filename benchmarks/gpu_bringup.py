@@ -231,8 +231,10 @@ def main(argv=None) -> dict:
                 continue
             tic = time.perf_counter()
             measuring.update(name=name, tic=tic)
-            results["models"][name] = {"error": CUT}
-            atomic_write_json(out, results)  # what a command killed during this reader leaves
+            # what a command killed during this reader leaves (gpu_session.settle_cut gives it
+            # its seconds where a compilation kept the handler below from running)
+            results["models"][name] = {"error": CUT, "started": time.time()}
+            atomic_write_json(out, results)
             try:
                 results["models"][name] = measure(name, args.device, seq_lens, steps,
                                                   args.tiny,

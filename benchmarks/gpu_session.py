@@ -419,10 +419,27 @@ def run_step(s: Session, step: Step) -> dict:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+                settle_cut(argv, time.time())
             state = "cut at its time"
     tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
     return {"step": step.name, "state": state, "seconds": round(time.perf_counter() - tic, 1),
             "command": argv[1:], "log_tail": tail}
+
+
+def settle_cut(argv: list[str], now: float) -> None:
+    """A bring-up killed inside a compilation, where its SIGTERM handler never ran, leaves its
+    reader entered as cut without the seconds it had compiled: give them, from when the entry
+    says it started, so that a final cut (:func:`final_on_chip`) is not compiled again."""
+    from mrc_lib.bench import CUT
+
+    path = Path(argv[argv.index("--out") + 1]) if "--out" in argv else None
+    if path is None or not path.is_file():
+        return
+    results = json.loads(path.read_text(encoding="utf-8"))
+    for m in results.get("models", {}).values():
+        if m.get("error") == CUT and "seconds" not in m and "started" in m:
+            m["seconds"] = round(now - m["started"], 1)
+    atomic_write_json(path, results)
 
 
 def unpack_travel(path: Path, cache: Path) -> str:

@@ -263,6 +263,14 @@ def test_a_whole_compile_step_measures_only_the_readers_not_final_on_the_chip(tm
     (results / "gpu_nvidia_h100_80gb_hbm3_compile_whole_reduce_overhead.json").write_text(
         json.dumps({"device": s.device, "models": {"dynsan": {"speed": {}}}}))
     assert whole.skip(s).startswith("every reader compiled whole on this chip")
+    # A bring-up killed inside a compilation (its SIGTERM handler never ran) gets the seconds
+    # its reader had from when the entry started, and a final cut counts as such.
+    cut = results / "cut.json"
+    cut.write_text(json.dumps({"models": {"qanet": {"error": CUT, "started": 1000.0},
+                                          "dynsan": {"speed": {}}}}))
+    gs.settle_cut(["python", "benchmarks/gpu_bringup.py", "--out", str(cut)], 1298.3)
+    assert json.loads(cut.read_text())["models"] == {
+        "qanet": {"error": CUT, "started": 1000.0, "seconds": 298.3}, "dynsan": {"speed": {}}}
 
 
 def test_a_carry_over_too_large_beside_the_data_travels_in_calls_of_its_own(tmp_path,
