@@ -210,10 +210,11 @@ def _has_rnns(model: str, hparams: str) -> bool:
 
     from mrc_lib.bench import SyntheticVocab
     from mrc_lib.models import build_model
+    from mrc_lib.nn.rnn import has_rnn_layers
 
     with torch.device("meta"):
-        reader = build_model(model, SyntheticVocab.random(size=1_000), **json.loads(hparams))
-    return any(isinstance(m, torch.nn.RNNBase) for m in reader.modules())
+        return has_rnn_layers(build_model(model, SyntheticVocab.random(size=1_000),
+                                          **json.loads(hparams)))
 
 
 def has_rnns(config: dict) -> bool:

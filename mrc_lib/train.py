@@ -63,6 +63,7 @@ from mrc_lib.errors import UserError
 from mrc_lib.inference import autocast, predict_spans, to_device
 from mrc_lib.models import build_model, effective_hparams
 from mrc_lib.nn.embedding import WordEmbedding
+from mrc_lib.nn.rnn import has_rnn_layers
 from mrc_lib.records import UNHASHED, json_hash
 from mrc_lib.tasks import get_task
 from mrc_lib.utils import atomic_path, atomic_write_bytes, atomic_write_json, git_commit
@@ -411,7 +412,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 def rnn_precision(model: nn.Module, device: torch.device) -> str | None:
     """How the reader's RNN layers compute (:func:`mrc_lib.nn.rnn.full_precision`): TF32 on
     CUDA, fp32 on a CPU; ``None`` for a reader without any."""
-    if not any(isinstance(m, nn.RNNBase) for m in model.modules()):
+    if not has_rnn_layers(model):
         return None
     return "TF32" if device.type == "cuda" else "fp32"
 

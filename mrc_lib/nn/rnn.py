@@ -124,6 +124,12 @@ def full_precision(rnn: nn.RNNBase, x: Tensor) -> Tensor:
         return rnn(x.float())[0]
 
 
+def has_rnn_layers(model: nn.Module) -> bool:
+    """Whether ``model`` holds RNN layers (``nn.LSTM``/``nn.GRU``, as :class:`RNN` does): those
+    :func:`full_precision` runs outside autocast."""
+    return any(isinstance(m, nn.RNNBase) for m in model.modules())
+
+
 def take(x: Tensor, index: Tensor) -> Tensor:
     """``x[b, index[b, t]]`` for ``x`` ``[B, L, d]`` and ``index`` ``[B, T]``: ``[B, T, d]``."""
     return x.gather(1, index.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
