@@ -178,6 +178,31 @@ def match(path: str | Path, config: dict, digests: dict) -> tuple[dict | None, s
     return record, None
 
 
+def after_epochs(record: dict, epochs: int) -> dict:
+    """``record``'s run as it stood after its first ``epochs`` epochs: the last of them is
+    ``dev`` (and ``test``), the best of them ``best_dev``, with their seconds and history.
+
+    The matched baseline of ablations and sweeps trained on a shorter schedule than their
+    headline run (``epochs=E`` of the same config): nothing in the trainer's schedule depends on
+    the number of epochs (warm-up and decay count steps, the plateau halving looks back), so
+    the headline's first ``E`` epochs are the same run as the shorter one. The ``analysis``
+    payload, drawn at the end of the whole run, is left out."""
+    from mrc_lib.tasks import get_task
+
+    history = record["history"][:epochs]
+    if epochs < 1 or len(history) < epochs:
+        raise UserError(f"run {record['chapter']}/{record['run']}: {epochs} epoch(s) asked, its "
+                        f"record has {len(record['history'])}")
+    score = get_task(record["task"]).score
+    best = max(history, key=lambda h: score(h["dev"]))  # the first of equals, as the trainer
+    tests = {"test": history[-1]["test"], "best_test": best["test"]} if "test" in best else {}
+    cut = {k: v for k, v in record.items() if k != "analysis"}
+    return {**cut, "dev": history[-1]["dev"], "best_epoch": best["epoch"],
+            "best_dev": best["dev"], **tests, "epochs_run": epochs, "steps": history[-1]["step"],
+            "seconds_per_epoch": record["seconds_per_epoch"][:epochs], "history": history,
+            "config": {**record["config"], "epochs": epochs}, "after_epochs": epochs}
+
+
 def lookup(path: str | Path, config: dict, digests: dict) -> dict | None:
     """The record at ``path`` if it is of a finished run of the same config (hash) and data
     (digests), else ``None`` (no record, a partial or a stale one: the caller trains)."""

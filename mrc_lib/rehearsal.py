@@ -78,10 +78,22 @@ def standin(job, source: dict, digests: dict) -> dict:
     """The stand-in record of ``job``: ``source``'s metrics and payload under the job's
     full-profile config, hash and data digests."""
     config = job.config("full").to_dict()
-    return {**source, "chapter": job.entry.chapter, "run": job.name, "profile": "full",
-            "config": config, "config_hash": records.config_hash(config),
-            "data_digests": digests, "complete": True, "standin": True,
-            "device": STANDIN_DEVICE}
+    return {**source, **epochs_of(source, config["epochs"]), "chapter": job.entry.chapter,
+            "run": job.name, "profile": "full", "config": config,
+            "config_hash": records.config_hash(config), "data_digests": digests,
+            "complete": True, "standin": True, "device": STANDIN_DEVICE}
+
+
+def epochs_of(source: dict, epochs: int) -> dict:
+    """``source``'s history (and seconds per epoch) with its last epoch repeated up to the full
+    schedule's ``epochs``: a chapter may read a headline run's first epochs as the matched
+    baseline of its shorter ablations (:func:`mrc_lib.records.after_epochs`)."""
+    history, seconds = source.get("history") or [], source.get("seconds_per_epoch") or []
+    more = range(len(history) + 1, epochs + 1)
+    if not history or not more:
+        return {}
+    return {"history": history + [{**history[-1], "epoch": e} for e in more],
+            "seconds_per_epoch": seconds + seconds[-1:] * len(more), "epochs_run": epochs}
 
 
 def measurement_standin(m, runs: Path) -> dict:

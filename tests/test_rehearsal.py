@@ -60,6 +60,18 @@ def test_a_chapter_reads_each_stand_in_as_its_runs_record(tmp_path, jobs, monkey
         assert (found["chapter"], found["run"], found["profile"]) == ("ch", job.name, "full")
 
 
+def test_a_stand_in_has_every_epoch_of_the_full_schedule(jobs):
+    """A chapter reads the first epochs of a headline record as the baseline of its shorter
+    ablations (records.after_epochs): a stand-in of a one-epoch smoke record has them all."""
+    epoch = {"epoch": 1, "step": 4, "dev": {"f1": 1.0}}
+    source = {"history": [epoch], "seconds_per_epoch": [2.0], "epochs_run": 1}
+    found = rehearsal.standin(jobs[0], source, {"full": "1"})
+    epochs = jobs[0].config("full").epochs
+    assert [h["epoch"] for h in found["history"]] == list(range(1, epochs + 1))
+    assert found["seconds_per_epoch"] == [2.0] * epochs and found["epochs_run"] == epochs
+    assert source["history"] == [epoch]  # the smoke record is left as it was
+
+
 def test_a_reader_without_a_smoke_record_is_named(tmp_path, jobs):
     with pytest.raises(UserError, match="ch/bidaf_seed0: no smoke record of reader 'bidaf'.*"
                                         "reproduce ch --profile smoke"):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+from mrc_lib import records
 from mrc_lib import train as engine
 from mrc_lib.checkpoint import load_checkpoint, save_checkpoint
 from mrc_lib.config import TrainConfig, parse_override, resolve_config
@@ -393,6 +394,27 @@ def test_resume_extends_a_finished_run_and_refuses_other_changes(tmp_path, data)
     assert longer["steps"] == 8 and [h["epoch"] for h in longer["history"]] == [1, 2]
     with pytest.raises(UserError, match="no checkpoint to resume"):
         engine.train(toy_config(), tmp_path / "empty", resume=True, data=data)
+
+
+def test_a_shorter_schedule_is_the_first_epochs_of_the_longer_run(tmp_path, data):
+    """The matched baseline of ablations on a shorter schedule (``records.after_epochs``): a
+    run of ``epochs=5`` is the first five epochs of the same config's longer run, plateau
+    halving and warm-up included, so the longer run's record gives its scores."""
+    cfg = dict(lr=0.5, plateau_factor=0.5, plateau_patience=1, checkpoint_every=None)
+    whole = records.make_record(engine.train(toy_config(epochs=6, **cfg), tmp_path / "w",
+                                             data=data), chapter="toy", run="whole")
+    short = engine.train(toy_config(epochs=5, **cfg), tmp_path / "s", data=data)
+    cut = records.after_epochs(whole, 5)
+    for key in ("dev", "best_epoch", "best_dev", "epochs_run", "steps"):
+        assert cut[key] == short[key], key
+    for a, b in zip(cut["history"], short["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+    # the prefix holds a halving and a best epoch before its last
+    assert cut["history"][-1]["lr"] < cut["history"][0]["lr"] and cut["best_epoch"] < 5
+    assert cut["config"]["epochs"] == 5 and cut["after_epochs"] == 5
+    assert whole["epochs_run"] == 6  # the record itself is left as it was
+    with pytest.raises(UserError, match="toy/whole: 7 epoch"):
+        records.after_epochs(whole, 7)
 
 
 def test_padding_batches_to_a_multiple_trains_the_same(tmp_path, data):
