@@ -186,7 +186,8 @@ def after_epochs(record: dict, epochs: int) -> dict:
     headline run (``epochs=E`` of the same config): nothing in the trainer's schedule depends on
     the number of epochs (warm-up and decay count steps, the plateau halving looks back), so
     the headline's first ``E`` epochs are the same run as the shorter one. The ``analysis``
-    payload, drawn at the end of the whole run, is left out."""
+    payload, drawn at the end of the whole run, is left out; the wall time, loss curve and
+    config hash stay the whole run's (``after_epochs`` says the record was cut)."""
     from mrc_lib.tasks import get_task
 
     history = record["history"][:epochs]
