@@ -7,6 +7,7 @@
     python benchmarks/gpu_bringup.py --compile --compile-mode cudagraphs --whole  # CUDA graphs
                                                           # of the traced step, no inductor
     python benchmarks/gpu_bringup.py --fp32               # the bf16 readers in full precision
+    python benchmarks/gpu_bringup.py --cuda-graphs        # each step recorded as CUDA graphs
     python benchmarks/gpu_bringup.py --device cpu --tiny  # the script's own check (CI)
 
 For each reader of :data:`mrc_lib.models.MODELS` that the full profile configures, at its full
@@ -42,6 +43,13 @@ eagerly (``benchmarks/cudagraph_check.py`` makes the same checks on the CPU).
 its launches, and autocast adds a cast kernel before each matrix product and convolution whose
 input or weight is float32 (``benchmarks/op_counts.py`` counts them, ``bf16_casts``), which
 full precision does without. Its entries have the config hash of ``bf16: false``.
+``--cuda-graphs`` measures the readers the full profile trains with Adam with their step
+recorded once per batch shape and replayed as CUDA graphs (config ``cuda_graphs``,
+:mod:`mrc_lib.graphs`): no torch.compile, nothing traced, every kernel of the step (the
+optimizer's and the weight average's too) in one launch. A recording torch refuses is the
+reader's error. Each entry also says how a replay agrees with the eager step from the same
+state (``agreement``, :func:`agreement`), and its config hash is the plain bring-up's
+(``cuda_graphs`` changes how a step is computed, not what).
 ``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
 the script, not the speed.
 """
@@ -81,6 +89,7 @@ from mrc_lib.inference import bf16_autocast  # noqa: E402
 from mrc_lib.train import (  # noqa: E402
     COMPILE_REVISION,
     GRAPH_MODES,
+    TrainingStep,
     compiled,
     count_parameters,
     device_name,
@@ -91,36 +100,82 @@ from mrc_lib.train import (  # noqa: E402
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
 
-def speed(net, model, batch, optimizer, ema, cfg, dev, steps: int, infer: bool = True) -> dict:
+def speed(step: TrainingStep, batch, steps: int, infer: bool = True) -> dict:
     """A checked training step on ``batch``, then training and (with ``infer``) inference
     examples per second and the seconds per SQuAD epoch at that rate."""
-    model.train()
+    step.model.train()
     tic = time.perf_counter()
-    finite = bool(torch.isfinite(train_step(net, batch, optimizer, cfg, dev)))  # waits for it
+    finite = bool(torch.isfinite(step(batch)))  # waits for it; with cuda_graphs, eager
     first_step = time.perf_counter() - tic  # with torch.compile: the compilation
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in step.model.parameters() if p.grad is not None]
     if not finite or not all(torch.isfinite(g).all() for g in grads):
         raise FloatingPointError(f"non-finite loss or gradient at {batch['c_words'].shape[1]} "
                                  "tokens")
-    train_s, infer_s = time_steps(net, model, batch, optimizer, ema, cfg, dev, steps,
-                                  infer=infer)
-    rate = steps * cfg.batch_size / train_s
+    train_s, infer_s = time_steps(step, batch, steps, infer=infer)
+    rate = steps * step.cfg.batch_size / train_s
     return {"first_step_seconds": round(first_step, 2), "train_examples_per_s": round(rate, 1),
             "infer_examples_per_s": None if infer_s is None else
-            round(steps * cfg.batch_size / infer_s, 1),
+            round(steps * step.cfg.batch_size / infer_s, 1),
             "epoch_seconds": round(SQUAD_TRAIN_EXAMPLES / rate, 1)}
 
 
+def agreement(step: TrainingStep, batch) -> float:
+    """How far a replayed step moves the weights from where the eager step moves them, both
+    from the same weights, optimizer state, average and random state (dropout draws the same
+    masks): ``‖Δ_replay − Δ_eager‖ / ‖Δ_eager‖`` over all trainable parameters together.
+    Rounding (bf16, atomic sums, the kernels' order) gives a small number; a replay that trains
+    nothing gives 1, one reading a stale batch, rate or random state a number near it."""
+    model, ema, dev = step.model, step.ema, step.device
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = params + [t for st in step.optimizer.state.values() for t in st.values()
+                      if isinstance(t, torch.Tensor)] + \
+        (list(ema.shadow.values()) if ema is not None else [])
+    saved = [t.detach().clone() for t in state]
+    cuda = dev.type == "cuda"
+    updates = ema.num_updates if ema is not None else 0
+    rng = torch.cuda.get_rng_state(dev) if cuda else torch.get_rng_state()
+
+    def restore() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(state, saved)
+        if ema is not None:
+            ema.num_updates = updates
+        if cuda:
+            torch.cuda.set_rng_state(rng, dev)
+        else:
+            torch.set_rng_state(rng)
+
+    def moved() -> list[torch.Tensor]:
+        return [p.detach() - before for p, before in zip(params, saved)]
+
+    restore()
+    step(batch)  # replayed: the batch's shape is recorded
+    replay = moved()
+    restore()
+    train_step(step.net, batch, step.optimizer, step.cfg, dev)  # the eager step
+    if ema is not None:
+        ema.update(model)
+    eager = moved()
+    restore()
+    norm = torch.linalg.vector_norm
+    gap = norm(torch.stack([norm((r - e).double()) for r, e in zip(replay, eager)]))
+    return (gap / norm(torch.stack([norm(e.double()) for e in eager])).clamp(min=1e-30)).item()
+
+
 def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
-            compile_mode: str | None, whole: bool = False, fp32: bool = False) -> dict:
+            compile_mode: str | None, whole: bool = False, fp32: bool = False,
+            cuda_graphs: bool = False) -> dict:
     """One reader's bring-up: a checked training step, then speeds and peak memory; through
     :func:`torch.compile` in ``compile_mode`` (of the ``whole`` reader) unless it is
-    ``None``; in full precision with ``fp32``."""
+    ``None``; in full precision with ``fp32``; its step recorded as CUDA graphs with
+    ``cuda_graphs``, and then how a replay agrees with the eager step (:func:`agreement`)."""
     s = setup(name, "smoke" if tiny else "full",
-              overrides(device, tiny, compile_mode, whole, fp32), 2_000 if tiny else None)
+              overrides(device, tiny, compile_mode, whole, fp32, cuda_graphs),
+              2_000 if tiny else None)
     cfg, dev, model = s.cfg, s.device, s.model
     net = compiled(model, mode=cfg.compile_mode, whole=cfg.compile_whole) if cfg.compile \
         else model
+    step = TrainingStep(net, model, s.optimizer, s.ema, cfg, dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     result = {"batch_size": cfg.batch_size, "bf16": bf16_autocast(cfg.bf16, dev.type),
@@ -132,17 +187,23 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
     graphs = bool(cfg.compile) and cfg.compile_mode in GRAPH_MODES and dev.type == "cuda"
     with torch._inductor.config.patch({"triton.cudagraph_or_error": graphs}):
         for k, seq_len in enumerate(seq_lens):
-            result["speed"][str(seq_len)] = speed(net, model, s.batch(seq_len, seed=k),
-                                                  s.optimizer, s.ema, cfg, dev, steps,
+            result["speed"][str(seq_len)] = speed(step, s.batch(seq_len, seed=k), steps,
                                                   infer=not whole)
+    if step.graphs is not None:
+        graphs = step.graphs
+        if graphs.failed:  # its rates are the eager step's
+            raise RuntimeError(f"cuda_graphs: {graphs.failed}")
+        result["cuda_graphs"] = {**graphs.counts, "shapes": len(graphs.recordings)}
+        result["agreement"] = float(f"{agreement(step, s.batch(seq_lens[0], seed=0)):.3g}")
     result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
     result["peak_memory_bytes"] = peak_memory_bytes(dev)
     return result
 
 
 SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_revision",
-            "compile_whole", "fp32", "tiny", "seq_lens", "steps")  # a file holds the last
-# three only where they apply (compile_revision under --compile, the others when true)
+            "compile_whole", "fp32", "cuda_graphs", "tiny", "seq_lens", "steps")  # a file
+# holds the fourth to the ninth only where they apply (compile_revision under --compile, the
+# others when true)
 
 
 def kept(out: Path, results: dict, device: str) -> dict:
@@ -155,7 +216,8 @@ def kept(out: Path, results: dict, device: str) -> dict:
         return {}
     profile = "smoke" if results["tiny"] else "full"
     keys = overrides(device, results["tiny"], results["compile_mode"],
-                     results.get("compile_whole", False), results.get("fp32", False))
+                     results.get("compile_whole", False), results.get("fp32", False),
+                     results.get("cuda_graphs", False))
 
     def final(name: str, entry: dict) -> bool:
         """Measured with today's config, or compiled whole and cut after long enough."""
@@ -171,10 +233,14 @@ def kept(out: Path, results: dict, device: str) -> dict:
 
 def default_readers(args) -> list[str]:
     """Every reader the full profile configures; with ``--fp32``, those it runs in bf16 (the
-    others' full-precision rate is the plain bring-up's)."""
-    if not args.fp32:
-        return full_readers()
-    return [name for name in full_readers() if resolve_config(name, profile="full").bf16]
+    others' full-precision rate is the plain bring-up's); with ``--cuda-graphs``, those it
+    trains with Adam (config ``cuda_graphs`` refuses Adadelta)."""
+    if args.fp32:
+        return [name for name in full_readers() if resolve_config(name, profile="full").bf16]
+    if args.cuda_graphs:
+        return [name for name in full_readers()
+                if resolve_config(name, profile="full").optimizer != "adadelta"]
+    return full_readers()
 
 
 def main(argv=None) -> dict:
@@ -189,6 +255,8 @@ def main(argv=None) -> dict:
                    help="with --compile, compile each reader whole, not its compile_regions")
     p.add_argument("--fp32", action="store_true",
                    help="the readers whose profile sets bf16, in full precision (bf16=false)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="the step recorded as CUDA graphs and replayed (cuda_graphs=true)")
     p.add_argument("--seq-len", default="400,140", help="context lengths, comma-separated")
     p.add_argument("--steps", type=int, default=10, help="timed steps per measurement")
     p.add_argument("--models", default=None, help="comma-separated (default: every reader)")
@@ -211,6 +279,8 @@ def main(argv=None) -> dict:
         results["compile_whole"] = True
     if args.fp32:
         results["fp32"] = True
+    if args.cuda_graphs:
+        results["cuda_graphs"] = True
     if args.resume:
         results["models"] = kept(out, results, args.device)
     measuring = {}  # the reader being measured, and since when
@@ -239,7 +309,8 @@ def main(argv=None) -> dict:
                 results["models"][name] = measure(name, args.device, seq_lens, steps,
                                                   args.tiny,
                                                   args.compile_mode if args.compile else None,
-                                                  args.compile and args.whole, args.fp32)
+                                                  args.compile and args.whole, args.fp32,
+                                                  args.cuda_graphs)
             except Exception as e:  # noqa: BLE001 (reported, and the next reader runs)
                 results["models"][name] = {"error": f"{type(e).__name__}: {e}",
                                            "traceback": traceback.format_exc(limit=-3)}

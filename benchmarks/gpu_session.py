@@ -9,14 +9,19 @@ the time on what is still missing for this GPU, in this order:
 4. ``profile``: where QANet's, DynSAN's and PhaseCond's steps spend their time: kernel time
    against wall time, host time, synchronisations, and the operators and kernels that take the
    most (``gpu_profile.py``).
-5. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
+5. ``cuda_graphs``: the readers the full profile trains with Adam, their whole step recorded
+   once per batch shape and replayed as CUDA graphs, without torch.compile
+   (``gpu_bringup.py --cuda-graphs``, config ``cuda_graphs``), and how a replay agrees with
+   the eager step. ``train`` then gives ``queue run --graphed`` the readers whose replays agree
+   and gain (:func:`graphed`).
+6. ``compile``, ``compile_ro``: QANet and DynSAN through ``torch.compile``, in its default
    mode and with CUDA graphs (``gpu_bringup.py --compile``), their repeated blocks compiled
    in place; ``compile_whole``: the two readers compiled whole, with CUDA graphs (``--whole``),
    at 140 and 400 tokens; before it, ``graphs``: those two and PhaseCond traced whole and
    replayed as CUDA graphs without inductor (``compile_mode: cudagraphs``).
-6. ``fp32``: the readers whose profile sets bf16, eager in full precision (``gpu_bringup.py
+7. ``fp32``: the readers whose profile sets bf16, eager in full precision (``gpu_bringup.py
    --fp32``): whether autocast's casts cost these launch-bound steps more than bf16 saves.
-7. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
+8. ``train``: the queue runs that ``--only`` selects, with the minutes left (``queue run``).
 
 Then it packs what it wrote under ``--out``: ``session.tar`` (the benchmark files, the logs
 and ``session.json``, one entry per step) and bundle 1 of the runner folder's carry-over,
@@ -338,6 +343,44 @@ def fp32_argv(s: Session, budget: float) -> list[str]:
             "--out", str(s.resumed("gpu_{device}_fp32.json"))]
 
 
+GRAPHS_FILE = "gpu_{device}_cuda_graphs.json"
+# The readers the full profile trains with Adam, which config cuda_graphs can record: the three
+# profiled first, then those the queue trains most.
+GRAPHS_MODELS = PROFILE_MODELS + ",qanet_na,san,iterative_aligner,ea_reader,dynsan_mc"
+# A reader's runs replay their steps as CUDA graphs (queue run --graphed) when its recorded
+# step trained as the eager one (agreement: relative distance of the two updates) and was this
+# much faster at 140 context tokens, SQuAD's mean context, than the eager bring-up's.
+AGREEMENT_MAX = 0.05
+GRAPHS_GAIN = 1.2
+
+
+def cuda_graphs_skip(s: Session) -> str | None:
+    return chip_skip(s, GRAPHS_FILE)
+
+
+def cuda_graphs_argv(s: Session, budget: float) -> list[str]:
+    models = ["--device", "cpu", "--tiny", "--models", "qanet"] if s.tiny else \
+        ["--models", GRAPHS_MODELS]
+    return [PY, "benchmarks/gpu_bringup.py", "--cuda-graphs", *models, "--resume",
+            "--out", str(s.resumed(GRAPHS_FILE))]
+
+
+def graphed(s: Session) -> list[str]:
+    """The readers whose runs this session's queue replays as CUDA graphs: those that
+    ``gpu_bringup.py --cuda-graphs`` measured on this chip without error, with an
+    ``agreement`` of at most :data:`AGREEMENT_MAX` and :data:`GRAPHS_GAIN` times the eager
+    bring-up's rate at 140 tokens (or no eager rate on file)."""
+    found = s.on_file(GRAPHS_FILE, chip=True) or {}
+    eager = (s.on_file("gpu_{device}.json", chip=True) or {}).get("models", {})
+
+    def rate(entry: dict) -> float:
+        return entry.get("speed", {}).get("140", {}).get("train_examples_per_s", 0.0)
+
+    return [name for name, m in found.get("models", {}).items()
+            if "error" not in m and m.get("agreement", 1.0) <= AGREEMENT_MAX
+            and rate(m) >= GRAPHS_GAIN * rate(eager.get(name, {}))]
+
+
 def train_skip(s: Session) -> str | None:
     if not s.args.only:
         return "no --only (the runs to train are those whose data was carried)"
@@ -364,7 +407,8 @@ def train_argv(s: Session, budget: float) -> list[str]:
             "--carry-mib", f"{s.carry * s.bundles:g}",
             "--file", str(s.args.queue_file), "--profile", s.args.profile,
             *(f"--only={p}" for p in s.args.only or []),
-            *(f"--set={v}" for v in (*RUNNER_SETTINGS, *s.args.set))]
+            *(f"--set={v}" for v in (*RUNNER_SETTINGS, *s.args.set)),
+            *([f"--graphed={','.join(graphed(s))}"] if graphed(s) else [])]
 
 
 STEPS = [
@@ -372,6 +416,9 @@ STEPS = [
     Step("measure", 330, 120, measure_skip, measure_argv),
     Step("packing", 270, 200, packing_skip, packing_argv),
     Step("profile", 120, 45, profile_skip, profile_argv),
+    # The step recorded as CUDA graphs without torch.compile (nothing traced or compiled): the
+    # readers whose replays agree with the eager step and are faster train so in `train`.
+    Step("cuda_graphs", 150, 45, cuda_graphs_skip, cuda_graphs_argv),
     # The whole step traced and replayed as CUDA graphs without inductor first: on the H200
     # inductor had not compiled QANet whole after 298 s, where the trace alone took 27 s on
     # this project's 2-core CPU at one length (139 s with symbolic lengths). Then the whole

@@ -24,6 +24,7 @@ from mrc_lib.inference import bf16_autocast
 from mrc_lib.models import build_model
 from mrc_lib.train import (
     EMA,
+    TrainingStep,
     autocast,
     build_optimizer,
     count_parameters,
@@ -31,7 +32,6 @@ from mrc_lib.train import (
     new_graph_step,
     peak_memory_bytes,
     resolve_device,
-    train_step,
 )
 from mrc_lib.utils import atomic_write_json
 
@@ -129,31 +129,26 @@ def _seconds(fn: Callable[[], object], steps: int, device: torch.device,
     return time.perf_counter() - tic
 
 
-def time_steps(net: torch.nn.Module, model: torch.nn.Module, batch: dict[str, Tensor],
-               optimizer: torch.optim.Optimizer, ema: EMA | None, cfg: TrainConfig,
-               dev: torch.device, steps: int, warmup: int = WARMUP_STEPS,
-               infer: bool = True) -> tuple[float, float | None]:
-    """Seconds of ``steps`` training steps (the trainer's ``train_step``, then the weight
-    average's update) and of ``steps`` inference passes on ``batch`` (``None`` without
-    ``infer``), each after ``warmup`` untimed ones. ``net`` runs the steps: ``model`` itself or
-    its ``torch.compile`` wrapper."""
-
-    def train_once():
-        train_step(net, batch, optimizer, cfg, dev)
-        if ema is not None:
-            ema.update(model)
+def time_steps(step: TrainingStep, batch: dict[str, Tensor], steps: int,
+               warmup: int = WARMUP_STEPS, infer: bool = True) -> tuple[float, float | None]:
+    """Seconds of ``steps`` calls of the trainer's step ``step`` (a :class:`TrainingStep`:
+    :func:`~mrc_lib.train.train_step`, then the weight average's update; with
+    ``cuda_graphs``, recorded and replayed) and of ``steps`` inference passes of its reader on
+    ``batch`` (``None`` without ``infer``), each after ``warmup`` untimed ones. The step runs its
+    ``net``: the reader itself or its ``torch.compile`` wrapper."""
+    cfg, dev = step.cfg, step.device
 
     @torch.no_grad()
     def infer_once():
         new_graph_step(cfg)
         with autocast(cfg, dev):
-            net(batch)
+            step.net(batch)
 
-    model.train()
-    train_seconds = _seconds(train_once, steps, dev, warmup)
+    step.model.train()
+    train_seconds = _seconds(lambda: step(batch), steps, dev, warmup)
     if not infer:
         return train_seconds, None
-    model.eval()
+    step.model.eval()
     return train_seconds, _seconds(infer_once, steps, dev, warmup)
 
 
@@ -192,12 +187,13 @@ def full_readers() -> list[str]:
 
 
 def overrides(device: str, tiny: bool = False, compile_mode: str | None = None,
-              whole: bool = False, fp32: bool = False) -> list[str]:
+              whole: bool = False, fp32: bool = False, cuda_graphs: bool = False) -> list[str]:
     """The config keys a GPU benchmark sets over its profile's: the device, batches of 2 for a
-    ``tiny`` check, full precision (``fp32``: no bf16 autocast, TF32 matrix products) and
-    ``torch.compile`` in ``compile_mode`` (of the ``whole`` reader)."""
+    ``tiny`` check, full precision (``fp32``: no bf16 autocast, TF32 matrix products), the
+    step recorded as CUDA graphs (``cuda_graphs``) and ``torch.compile`` in ``compile_mode``
+    (of the ``whole`` reader)."""
     keys = [f"device={device}"] + (["batch_size=2"] if tiny else []) + \
-        (["bf16=false"] if fp32 else [])
+        (["bf16=false"] if fp32 else []) + (["cuda_graphs=true"] if cuda_graphs else [])
     if compile_mode:
         keys += ["compile=true", f"compile_mode={compile_mode}"] + \
             (["compile_whole=true"] if whole else [])
@@ -242,8 +238,8 @@ def bench(model_name: str, seq_len: int = 300, batch_size: int = 32, steps: int 
     batch = s.batch(seq_len)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    train_seconds, infer_seconds = time_steps(model, model, batch, s.optimizer, s.ema, cfg, dev,
-                                              steps, warmup)
+    train_seconds, infer_seconds = time_steps(
+        TrainingStep(model, model, s.optimizer, s.ema, cfg, dev), batch, steps, warmup)
     train_rate = steps * batch_size / train_seconds
     return {
         "model": cfg.model, "profile": profile, "device": device_name(dev),

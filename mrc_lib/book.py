@@ -283,10 +283,10 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
 
 # The bring-up files' suffixes for the bf16 readers eager in full precision (the fp32 step of
 # benchmarks/gpu_session.py), torch.compile's default mode, CUDA graphs, CUDA graphs of the
-# whole reader, and the whole reader's traced graphs as CUDA graphs without inductor (its
-# compile steps).
+# whole reader, the whole reader's traced graphs as CUDA graphs without inductor (its
+# compile steps), and the eager step recorded as CUDA graphs (config cuda_graphs).
 VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_reduce_overhead",
-            "_compile_whole_cudagraphs")
+            "_compile_whole_cudagraphs", "_cuda_graphs")
 
 
 def variant_cell(entry: dict):
@@ -304,9 +304,10 @@ def variant_cell(entry: dict):
 def speed_rows(results_dir: Path) -> list[list]:
     """One row per reader and GPU of the bring-up files (``gpu_<device>.json``, with the
     :data:`VARIANTS` files beside them): seconds per SQuAD epoch eager, eager in full
-    precision (a bf16 reader), compiled, under CUDA graphs, compiled whole under CUDA graphs
-    and traced whole as CUDA graphs without inductor, the rates behind the first, peak memory,
-    and whether the reader's config is still the one measured."""
+    precision (a bf16 reader), compiled, under CUDA graphs, compiled whole under CUDA graphs,
+    traced whole as CUDA graphs without inductor and the eager step recorded as CUDA graphs,
+    the rates behind the first, peak memory, and whether the reader's config is still the one
+    measured."""
     from mrc_lib.bench import reader_hash
 
     rows, today = [], {}
@@ -399,7 +400,10 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "in TF32), through `torch.compile` and with CUDA graphs: QANet and DynSAN "
                   "compile their repeated blocks, or, under *Whole*, the whole reader; under "
                   "*Graphs only*, the whole reader's forward and backward as traced, replayed "
-                  "as CUDA graphs without inductor's kernels (`compile_mode: cudagraphs`). "
+                  "as CUDA graphs without inductor's kernels (`compile_mode: cudagraphs`); "
+                  "under *Recorded step*, without `torch.compile`, the whole eager step "
+                  "(optimizer and weight average too) recorded once per batch shape and "
+                  "replayed as CUDA graphs (`cuda_graphs: true`, `mrc_lib/graphs.py`). "
                   "*Cut after* gives how long a compilation had run when its step's time ended; "
                   "*failed*, that it raised an error, which its file keeps "
                   "(`benchmarks/gpu_bringup.py`, files `benchmarks/results/gpu_*.json`)."
@@ -407,7 +411,7 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "whether the reader is still configured as it was measured.",
                   markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s", "fp32",
                                   "Compiled", "CUDA graphs", "Whole, CUDA graphs",
-                                  "Graphs only", "Train ex/s",
+                                  "Graphs only", "Recorded step", "Train ex/s",
                                   "Peak GiB", "Config"], speeds)]
     steps = profile_rows(Path(results_dir or BENCHMARK_RESULTS))
     if steps:

@@ -106,6 +106,11 @@ class TrainConfig:
             where it names repeated blocks to compile in place (``compile_regions``): what the
             blocks leave eager (embeddings, attention between them, pointers) is compiled too,
             at a longer compilation in every process.
+        cuda_graphs: record the trainer's whole step (forward, loss, backward, clipping,
+            optimizer, weight average) as a CUDA graph once per batch shape and replay it
+            (:class:`mrc_lib.graphs.GraphedStep`): one launch for a step's thousands of
+            kernels. CUDA only (ignored elsewhere, as ``bf16``), with Adam or AdamW, without
+            ``compile``; use it with ``pad_multiple`` so that a few shapes recur.
         pad_multiple: pad each training batch's context, question and passage lengths up to a
             multiple of this (1: to the batch's longest), so that a few shapes recur; outputs at
             the real positions are unchanged, only the extra padding costs work.
@@ -153,6 +158,7 @@ class TrainConfig:
     compile: bool = False
     compile_mode: str = "default"
     compile_whole: bool = False
+    cuda_graphs: bool = False
     pad_multiple: int = 1
     checkpoint_every: int | None = None
     epoch_checkpoints: bool = True
@@ -171,6 +177,11 @@ class TrainConfig:
                                 f"{', '.join(allowed)}")
         if self.pad_multiple < 1:
             raise UserError(f"config pad_multiple={self.pad_multiple}: expected 1 or more")
+        if self.cuda_graphs and (self.compile or self.optimizer == "adadelta"):
+            raise UserError("config cuda_graphs=true records the eager step: it needs "
+                            "compile=false and optimizer adam or adamw (whose fused step reads "
+                            f"its learning rate on the GPU), not compile={self.compile}, "
+                            f"optimizer={self.optimizer}")
 
     def to_dict(self) -> dict:
         """A JSON-ready copy (``config.json``)."""

@@ -13,8 +13,10 @@ from mrc_lib.config import TrainConfig
 from mrc_lib.nn import decode_span
 
 
-def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+def to_device(batch: dict[str, Tensor], device: torch.device,
+              copy: bool = False) -> dict[str, Tensor]:
+    """``batch`` on ``device`` (with ``copy``, new tensors even where it is there already)."""
+    return {key: value.to(device, non_blocking=True, copy=copy) for key, value in batch.items()}
 
 
 def bf16_autocast(bf16: bool, device_type: str) -> bool:

@@ -4,7 +4,7 @@
                                                              # (and the measurements)
     python -m mrc_lib queue prepare                          # the data, into the cache
     python -m mrc_lib queue run --minutes M --out DIR [--parallel N] [--only GLOB] [--inbox DEST]
-                                [--set compile=true] [--carry-mib C]
+                                [--set compile=true] [--carry-mib C] [--graphed READERS]
     python -m mrc_lib queue pack --out DIR --to DEST [--bundle K]   # DIR -> bundle K
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,13 @@ class Job:
         smoke = e.smoke_overrides if profile == "smoke" else ()
         return resolve_config(e.model, e.dataset, profile,
                               overrides=[*e.overrides, *smoke, f"seed={self.seed}", *settings])
+
+
+# What `queue run --graphed` sets for a reader whose step replays as CUDA graphs
+# (benchmarks/gpu_bringup.py --cuda-graphs): one recording per batch shape, and the lengths
+# padded to a multiple of 16, at which an epoch of SQuAD v1.1 has 47 shapes for 5% more
+# context positions (benchmarks/results/padding_squad.json).
+GRAPH_SETTINGS = ("cuda_graphs=true", "pad_multiple=16")
 
 
 def check_settings(settings: list[str] | None) -> tuple[str, ...]:
@@ -349,9 +357,10 @@ def progress(steps: int, epochs_run: int, cfg) -> float:
 def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
               reserve: float = 60.0, profile: str = "full", queue_file: Path = QUEUE_FILE,
               settings: tuple[str, ...] = (), carry_mib: float | None = None,
-              log=print) -> dict[str, int]:
+              graphed: Collection[str] = (), log=print) -> dict[str, int]:
     """Run the pending jobs as ``parallel`` worker processes until ``minutes`` minus
-    ``reserve`` seconds from now (the trainers' deadline), each with ``settings``, starting
+    ``reserve`` seconds from now (the trainers' deadline), each with ``settings`` (and
+    :data:`GRAPH_SETTINGS` where its reader is one of ``graphed``), starting
     only what :func:`startable` allows (with a :class:`Carry` of ``carry_mib`` when ``out``
     reaches the next command only as its carry-over); return each started job's exit status
     (0: complete or cleanly stopped). Each start and end is logged with the seconds since the
@@ -381,7 +390,8 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
             running[job.key] = (subprocess.Popen(
                 [sys.executable, "-m", "mrc_lib", "queue", "work", "--out", str(out),
                  "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
-                 "--profile", profile, *(f"--set={s}" for s in settings)],
+                 "--profile", profile, *(f"--set={s}" for s in settings),
+                 *(f"--set={s}" for s in GRAPH_SETTINGS if job.entry.model in graphed)],
                 stdout=log_file, stderr=subprocess.STDOUT), log_file)
         if not running:
             break
@@ -908,7 +918,8 @@ def queue_cli(args) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
                                                          // args.parallel)))
         codes = run_queue(jobs, out, args.minutes, args.parallel, args.reserve, args.profile,
-                          Path(args.file), settings, args.carry_mib)
+                          Path(args.file), settings, args.carry_mib,
+                          (args.graphed or "").split(","))
         print(status_table(jobs, out, args.profile))
         if any(codes.values()):
             raise UserError(f"{sum(c != 0 for c in codes.values())} worker(s) failed: "
@@ -933,6 +944,9 @@ def add_parser(sub) -> None:
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="run: how every run is computed, e.g. compile=true (only keys outside "
                    "the config hash)")
+    s.add_argument("--graphed", default=None, metavar="READERS",
+                   help="run: the readers (comma-separated) whose runs replay their steps as "
+                   f"CUDA graphs ({', '.join(GRAPH_SETTINGS)})")
     s.add_argument("--carry-mib", type=float, default=None,
                    help="run: --out reaches the next command only as its carry-over (its "
                    "bundles, at most this many MiB together): a run that will be cut starts "

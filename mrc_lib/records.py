@@ -38,7 +38,7 @@ SCHEMA = 1
 # Config keys that do not change what a run computes (where and how it is computed,
 # checkpointed, logged and evaluated in batches), left out of the hash so that a GPU run's
 # record serves a CPU re-execution of its chapter.
-UNHASHED = ("device", "compile", "compile_mode", "compile_whole", "pad_multiple",
+UNHASHED = ("device", "compile", "compile_mode", "compile_whole", "cuda_graphs", "pad_multiple",
             "checkpoint_every", "epoch_checkpoints", "log_every", "eval_batch_size")
 REQUIRED = ("schema", "chapter", "run", "config", "config_hash", "data_digests", "dev",
             "history", "device")

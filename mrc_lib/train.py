@@ -60,6 +60,7 @@ from mrc_lib.config import SPAN_TASKS, TrainConfig, apply_overrides, resolve_con
 from mrc_lib.data.dataset import pad_lengths
 from mrc_lib.data.vocab import Vocab
 from mrc_lib.errors import UserError
+from mrc_lib.graphs import GraphedStep
 from mrc_lib.inference import autocast, predict_spans, to_device
 from mrc_lib.models import build_model, effective_hparams
 from mrc_lib.nn.embedding import WordEmbedding
@@ -99,13 +100,23 @@ class EMA:
         params = dict(model.named_parameters())
         return [params[name] for name in self.shadow]
 
-    @torch.no_grad()
     def update(self, model: nn.Module) -> None:
+        self.average(model, self.next_weight())
+
+    def next_weight(self) -> float:
+        """Count the next update ``n`` and return its weight ``1 − d_n``."""
         self.num_updates += 1
         n = self.num_updates
-        d = min(self.decay, (1 + n) / (10 + n))
-        # θ̄ + (1 − d)(θ − θ̄) = d θ̄ + (1 − d) θ, one fused kernel for all tensors.
-        torch._foreach_lerp_(list(self.shadow.values()), self._params(model), 1 - d)
+        return 1 - min(self.decay, (1 + n) / (10 + n))
+
+    @torch.no_grad()
+    def average(self, model: nn.Module, weight: float | Tensor) -> None:
+        """``θ̄ + w (θ − θ̄) = d θ̄ + (1 − d) θ`` for ``w = 1 − d``, one fused kernel for all
+        tensors. A weight on the device (a 0-dim tensor, written before each replay of a CUDA
+        graph: :mod:`mrc_lib.graphs`) is read there, in the same arithmetic."""
+        shadow = list(self.shadow.values())
+        weights = weight if isinstance(weight, float) else [weight] * len(shadow)
+        torch._foreach_lerp_(shadow, self._params(model), weights)
 
     @contextlib.contextmanager
     def applied(self, model: nn.Module):
@@ -148,10 +159,16 @@ def warmup_factor(k: int, warmup_steps: int, kind: str) -> float:
 class LRSchedule:
     """``lr_k = lr · warmup(k) · factor^m``: the warm-up advances with every optimizer step, and
     ``m`` counts the plateaus, runs of ``plateau_patience`` epochs without a better dev score
-    (the task's :meth:`~mrc_lib.tasks.Task.score` of ``cfg.plateau_metric``)."""
+    (the task's :meth:`~mrc_lib.tasks.Task.score` of ``cfg.plateau_metric``).
 
-    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig):
-        self.optimizer, self.cfg = optimizer, cfg
+    With ``device``, each parameter group's rate is a float32 tensor there, written in place:
+    what a CUDA graph of the fused Adam step reads (:mod:`mrc_lib.graphs`). The step then
+    divides the rate rounded to float32 (a relative change of at most 6e-8) where, given a
+    Python float, it divides the float64 rate."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
+                 device: torch.device | None = None):
+        self.optimizer, self.cfg, self.device = optimizer, cfg, device
         self.steps = 0
         self.scale = 1.0
         self.best = -math.inf
@@ -166,7 +183,12 @@ class LRSchedule:
 
     def _apply(self) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr
+            if self.device is None:
+                group["lr"] = self.lr
+            elif isinstance(group["lr"], Tensor) and group["lr"].device == self.device:
+                group["lr"].fill_(self.lr)
+            else:  # the first time, or a rate a checkpoint's optimizer state brought back
+                group["lr"] = torch.tensor(self.lr, device=self.device)
 
     def step(self) -> None:
         """Call after each optimizer step."""
@@ -196,16 +218,22 @@ class LRSchedule:
         self._apply()
 
 
+def graphed(cfg: TrainConfig, device: torch.device) -> bool:
+    """Whether training steps replay as CUDA graphs: ``cuda_graphs`` on a CUDA device."""
+    return cfg.cuda_graphs and device.type == "cuda"
+
+
 def build_optimizer(cfg: TrainConfig, model: nn.Module,
                     device: torch.device) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg`` over ``model``'s trainable parameters."""
+    """The optimizer named by ``cfg`` over ``model``'s trainable parameters (Adam fused on
+    CUDA, and ``capturable`` when its steps replay as CUDA graphs: :func:`graphed`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.optimizer == "adadelta":
         return torch.optim.Adadelta(params, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps,
                                     weight_decay=cfg.weight_decay)
     adam = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     return adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                fused=device.type == "cuda")
+                fused=device.type == "cuda", capturable=graphed(cfg, device))
 
 
 # How compiled() traces a reader, as the compiled bring-ups know it (each compiled file records
@@ -373,6 +401,40 @@ def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.
     return loss.detach()
 
 
+class TrainingStep:
+    """The trainer's step on a batch (on the host or the device): :func:`train_step`, then the
+    weight average's update; a call returns the loss, on the device. With ``cuda_graphs`` on
+    CUDA (:func:`graphed`), the same step recorded once per batch shape and replayed
+    (:attr:`graphs`, a :class:`mrc_lib.graphs.GraphedStep`), the average's weight written to
+    the device before each step."""
+
+    def __init__(self, net: nn.Module, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ema: EMA | None, cfg: TrainConfig, device: torch.device):
+        self.net, self.model, self.optimizer, self.ema = net, model, optimizer, ema
+        self.cfg, self.device = cfg, device
+        self.graphs = GraphedStep(self._recorded, device) if graphed(cfg, device) else None
+        self.weight = torch.zeros((), device=device)  # 1 − d_n of the average, for graphs
+
+    def __call__(self, batch: dict[str, Tensor]) -> Tensor:
+        if self.graphs is None:
+            loss = train_step(self.net, to_device(batch, self.device), self.optimizer,
+                              self.cfg, self.device)
+            if self.ema is not None:
+                self.ema.update(self.model)
+            return loss
+        if self.ema is not None:
+            self.weight.fill_(self.ema.next_weight())
+        return self.graphs(batch)
+
+    def _recorded(self, batch: dict[str, Tensor]) -> Tensor:
+        """What a recording holds: the step on a batch on the device, the average's update
+        reading its weight there."""
+        loss = train_step(self.net, batch, self.optimizer, self.cfg, self.device)
+        if self.ema is not None:
+            self.ema.average(self.model, self.weight)
+        return loss
+
+
 # --- the machine -------------------------------------------------------------------------------
 
 
@@ -495,13 +557,17 @@ class Trainer:
         self.model = build_model(cfg.model, data.vocab, **cfg.hparams).to(device)
         self.ema = EMA(self.model, cfg.ema_decay) if cfg.ema_decay is not None else None
         self.optimizer = build_optimizer(cfg, self.model, device)
-        self.schedule = LRSchedule(self.optimizer, cfg)
+        self.schedule = LRSchedule(self.optimizer, cfg, device if graphed(cfg, device) else None)
         self.net = self.model
+        if process.world_size > 1 and graphed(cfg, device):
+            raise UserError("config cuda_graphs=true records one process's step: train with "
+                            "one process per run (the queue packs runs instead)")
         if process.world_size > 1:
             self.net = DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if cfg.compile:
             self.net = compiled(self.model, self.net, cfg.compile_mode, cfg.compile_whole)
+        self.step = TrainingStep(self.net, self.model, self.optimizer, self.ema, cfg, device)
         # Each process draws its own dropout masks.
         torch.manual_seed(cfg.seed + process.rank)
         self.progress = Progress()
@@ -629,13 +695,10 @@ class Trainer:
         return True
 
     def _step(self, batch: dict[str, Tensor]) -> Tensor:
-        """One optimizer step, then the schedule and the average; returns the loss, left on
-        the device."""
-        batch = to_device(pad_lengths(batch, self.cfg.pad_multiple), self.device)
-        loss = train_step(self.net, batch, self.optimizer, self.cfg, self.device)
+        """One optimizer step and the average's update, then the schedule; returns the loss,
+        left on the device."""
+        loss = self.step(pad_lengths(batch, self.cfg.pad_multiple))
         self.schedule.step()
-        if self.ema is not None:
-            self.ema.update(self.model)
         return loss
 
     def _flush(self) -> None:
@@ -689,6 +752,11 @@ class Trainer:
         record = {"epoch": progress.epoch + 1, "step": progress.global_step,
                   "train_loss": progress.loss_sum / max(progress.step_in_epoch, 1),
                   "lr": self.schedule.lr, "seconds": progress.train_seconds}
+        if self.step.graphs is not None:  # how this process ran the epoch's steps
+            graphs = self.step.graphs
+            record["cuda_graphs"] = {**graphs.counts, "shapes": len(graphs.recordings),
+                                     "failed": graphs.failed}
+            graphs.counts.clear()
         if self.process.is_main:
             tic = time.perf_counter()
             new_graph_step(self.cfg)  # evaluation's graphs are not the training step's

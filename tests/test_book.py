@@ -298,6 +298,9 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
         {"device": "X", "models": {"bidaf": {"speed": {"400": {"epoch_seconds": 20.0}}}}}))
     (results / "gpu_x_compile_whole_cudagraphs.json").write_text(json.dumps(
         {"device": "X", "models": {"bidaf": {"error": CUT, "seconds": 298.3}}}))
+    (results / "gpu_x_cuda_graphs.json").write_text(json.dumps(
+        {"device": "X", "cuda_graphs": True, "models": {"bidaf": {"speed": {"400": {
+            "epoch_seconds": 12.0}}, "agreement": 0.001}}}))
     (results / "gpu_x_fp32.json").write_text(json.dumps(
         {"device": "X", "fp32": True, "models": {"bidaf": {"speed": {"400": {"epoch_seconds":
                                                                               44.0}}}}}))
@@ -317,10 +320,10 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
             in page)
     assert "| dynsan | Y |" not in page
     # Eager, eager in full precision, compiled and compiled whole under CUDA graphs at 400
-    # tokens, and a whole trace cut while it compiled; CUDA graphs of the blocks failed; a
-    # reader failed eager and --tiny left out.
-    assert ("| bidaf | X | 60 | no | 46.9 | 44 | 40 | failed | 20 | cut after 298 s | 1866 | 2 | "
-            "earlier |") in page
+    # tokens, a whole trace cut while it compiled and the recorded eager step; CUDA graphs of
+    # the blocks failed; a reader failed eager and --tiny left out.
+    assert ("| bidaf | X | 60 | no | 46.9 | 44 | 40 | failed | 20 | cut after 298 s | 12 | 1866 "
+            "| 2 | earlier |") in page
     assert "| qanet | X" not in page and "| cpu |" not in page
     # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.
     assert "| tq | 4 | 1 | 1 | 2 | 25 |" in page

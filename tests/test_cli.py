@@ -77,6 +77,21 @@ def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
         assert m["epoch_seconds"] == speed["epoch_seconds"] > 0 and m["peak_memory_bytes"] > 0
 
 
+def test_gpu_bringup_records_the_adam_readers_steps_as_cuda_graphs(tmp_path):
+    bringup = load_bringup()
+    readers = bringup.default_readers(bringup.argparse.Namespace(fp32=False, cuda_graphs=True))
+    assert {"qanet", "dynsan", "phasecond", "san"} <= set(readers)
+    assert not {"bidaf", "bidafpp", "rnet", "decaprop"} & set(readers)  # Adadelta
+    out = tmp_path / "graphs.json"
+    result = bringup.main(["--device", "cpu", "--tiny", "--cuda-graphs", "--models", "qanet",
+                           "--out", str(out)])
+    assert result["cuda_graphs"] and "error" not in result["models"]["qanet"]
+    # a CPU records no graph (config cuda_graphs is CUDA-only), and the hash is the plain one
+    assert "agreement" not in result["models"]["qanet"]
+    assert result["models"]["qanet"]["config_hash"] == bringup.reader_hash(
+        "qanet", "smoke", ["device=cpu", "batch_size=2"])
+
+
 def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     """A cut command's file goes on: readers measured under the same settings with today's
     config hash are kept, the rest (a stale hash, an error, missing) measured again."""

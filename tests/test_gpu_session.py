@@ -193,7 +193,8 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
              "compile_ro": "gpu_nvidia_h200_compile_reduce_overhead.json",
              "compile_whole": "gpu_nvidia_h200_compile_whole_reduce_overhead.json",
              "graphs": "gpu_nvidia_h200_compile_whole_cudagraphs.json",
-             "fp32": "gpu_nvidia_h200_fp32.json"}
+             "fp32": "gpu_nvidia_h200_fp32.json",
+             "cuda_graphs": "gpu_nvidia_h200_cuda_graphs.json"}
     for step, name in names.items():
         assert steps[step].skip(s) is None
         (results / name).write_text(json.dumps({"device": "NVIDIA H200"}))  # cut: not whole
@@ -367,6 +368,32 @@ def test_the_sessions_runs_write_no_epoch_checkpoints_unless_told(tmp_path):
     s.args.set = ["epoch_checkpoints=true"]
     sets = [a.removeprefix("--set=") for a in gs.train_argv(s, 300) if a.startswith("--set=")]
     assert sets == ["epoch_checkpoints=false", "epoch_checkpoints=true"]
+
+
+def test_the_queue_replays_the_readers_whose_recorded_steps_agree_and_gain(tmp_path):
+    """A reader trains with its step replayed as CUDA graphs when the --cuda-graphs bring-up on
+    the chip measured it without error, its replay agreeing with the eager step and at least
+    GRAPHS_GAIN times the eager rate at 140 tokens."""
+    results = tmp_path / "results"
+    results.mkdir()
+    s = session(tmp_path / "w", tiny=False, results=results, runner=tmp_path / "runner")
+    s.device = "NVIDIA H100 80GB HBM3"
+    s.args.set, s.args.parallel, s.args.queue_file, s.args.profile = [], 2, "q.yaml", "full"
+    s.carry, s.bundles = 55.9, 2
+    assert gs.graphed(s) == [] and not any(a.startswith("--graphed") for a in
+                                            gs.train_argv(s, 300))
+
+    def entry(rate: float, **more) -> dict:
+        return {"speed": {"140": {"train_examples_per_s": rate}}, **more}
+
+    (results / "gpu_nvidia_h200.json").write_text(json.dumps({"models": {
+        name: entry(100.0) for name in ("qanet", "dynsan", "phasecond", "san")}}))
+    (results / "gpu_nvidia_h200_cuda_graphs.json").write_text(json.dumps({"models": {
+        "qanet": entry(300.0, agreement=0.002), "dynsan": entry(300.0, agreement=0.9),
+        "phasecond": entry(110.0, agreement=0.001), "san": {"error": "cuda_graphs: ..."},
+        "ea_reader": entry(50.0, agreement=0.0)}}))  # no eager rate on file
+    assert gs.graphed(s) == ["qanet", "ea_reader"]
+    assert "--graphed=qanet,ea_reader" in gs.train_argv(s, 300)
 
 
 def test_import_keeps_a_partial_run_as_the_next_sessions_carry_over(tmp_path, monkeypatch):

@@ -495,6 +495,30 @@ def test_a_run_that_cannot_finish_in_what_is_left_is_not_started(tmp_path, tiny_
     assert lines == ["not started tq/short: ~4 min, too long for what was left"]
 
 
+def test_the_graphed_readers_runs_replay_their_steps_as_cuda_graphs(tmp_path, monkeypatch):
+    q = write_queue(tmp_path, {"tq": [
+        {"run": "a", "model": "qanet", "priority": 1, "minutes": 1, "schedule": "tiny"},
+        {"run": "b", "model": "bidaf", "priority": 1, "minutes": 1, "schedule": "tiny"}]})
+    commands = {}
+
+    class Worker:  # a worker that ends at once, having been given its command line
+        def __init__(self, argv, **kwargs):
+            commands[argv[argv.index("--job") + 1]] = argv
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(queue.subprocess, "Popen", Worker)
+    queue.run_queue(queue.load_queue(q), tmp_path / "q", minutes=5, reserve=0, parallel=2,
+                    queue_file=q, settings=("log_every=1",), graphed=["qanet"], log=print)
+    sets = {key: [a for a in argv if a.startswith("--set=")] for key, argv in commands.items()}
+    assert sets == {"tq/a": ["--set=log_every=1", "--set=cuda_graphs=true",
+                             "--set=pad_multiple=16"],
+                    "tq/b": ["--set=log_every=1"]}
+    assert queue.check_settings(list(queue.GRAPH_SETTINGS))  # keys outside the config hash
+
+
 def test_with_a_carry_over_a_run_that_will_be_cut_starts_only_if_its_checkpoint_fits(
         tmp_path, monkeypatch):
     q = write_queue(tmp_path, {"tq": [

@@ -1,0 +1,154 @@
+"""Tests of the training step recorded as CUDA graphs (config ``cuda_graphs``,
+:mod:`mrc_lib.graphs`), on the CPU.
+
+A CPU records no CUDA graph, so :class:`Emulated` stands in for the recorder with a graph's
+semantics: recording runs nothing, and a replay runs the recorded step again on the
+recording's own input tensors, writing its loss into the tensor the recording returned. What is
+tested is everything around the recording: warm-ups and recordings per batch shape, the batch
+copied into the recording's inputs, the learning rate and the weight average's weight read from
+tensors written before each step, the loss copied out, and the fall-back to eager steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mrc_lib import bench, records
+from mrc_lib import train as engine
+from mrc_lib.config import TrainConfig
+from mrc_lib.errors import UserError
+from mrc_lib.graphs import GraphedStep
+
+LENGTHS = (12, 16, 12, 12, 16, 20, 12)  # context lengths of the steps: three shapes, repeated
+
+
+class Emulated:
+    """A CUDA graph's semantics on the CPU."""
+
+    def warm_up(self, fn):
+        return fn()
+
+    def record(self, fn):
+        loss = torch.zeros(())
+        return (lambda: loss.copy_(fn())), loss
+
+
+class Refusing(Emulated):
+    """A recorder torch refuses as it refuses an operation that cannot be captured: the
+    operation's error, then the recording's end reporting it invalidated."""
+
+    def record(self, fn):
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during "
+                               "capture") from None
+
+
+def train(recorder=None):
+    """QANet (smoke size, dropout and stochastic depth on) trained a step per length of
+    :data:`LENGTHS`, with a warm-up that changes the learning rate at every step and a weight
+    average; through a :class:`GraphedStep` with ``recorder``, else eagerly. Both use the
+    fused Adam reading its rate from a tensor, as recorded steps do (the CPU's reads it as
+    CUDA's does): what differs is the recording alone."""
+    s = bench.setup("qanet", "smoke", ["device=cpu", "batch_size=2", "warmup_steps=5",
+                                       "ema_decay=0.99"], vocab_size=2_000)
+    cfg, model = s.cfg, s.model
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad],
+                                 lr=cfg.lr, fused=True)
+    schedule = engine.LRSchedule(optimizer, cfg, s.device)
+    step = engine.TrainingStep(model, model, optimizer, s.ema, cfg, s.device)
+    if recorder is not None:
+        step.graphs = GraphedStep(step._recorded, s.device, recorder)
+    torch.manual_seed(1)
+    model.train()
+    losses = []
+    for k, n in enumerate(LENGTHS):
+        losses.append(step(bench.synthetic_batch(s.vocab, 2, n, seed=k)))
+        schedule.step()
+    return {"losses": losses, "params": [p.detach() for p in model.parameters()],
+            "average": list(s.ema.shadow.values()), "graphs": step.graphs,
+            "lr": optimizer.param_groups[0]["lr"]}
+
+
+def same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_replayed_steps_train_exactly_as_eager_steps():
+    eager, graphs = train(), train(Emulated())
+    for key in ("losses", "params", "average"):
+        assert same(eager[key], graphs[key]), key
+    # 12: warm-up, 16: warm-up, 12: recorded, 12, 16: recorded, 20: warm-up, 12
+    run = graphs["graphs"]
+    assert dict(run.counts) == {"eager": 3, "recorded": 2, "replayed": 4}
+    assert len(run.recordings) == 2 and run.failed is None
+
+
+def test_a_recording_torch_refuses_leaves_the_run_eager():
+    eager, refused = train(), train(Refusing())
+    for key in ("losses", "params", "average"):
+        assert same(eager[key], refused[key]), key
+    run = refused["graphs"]
+    assert run.failed == ("RuntimeError: operation not permitted when stream is capturing "
+                          "(RuntimeError: CUDA error: operation failed due to a previous error "
+                          "during capture)")
+    assert dict(run.counts) == {"eager": len(LENGTHS)} and not run.recordings
+
+
+def test_cuda_graphs_is_how_a_run_computes_not_what():
+    plain = TrainConfig(model="qanet", optimizer="adam")
+    graphs = TrainConfig(model="qanet", optimizer="adam", cuda_graphs=True, pad_multiple=16)
+    assert records.config_hash(plain.to_dict()) == records.config_hash(graphs.to_dict())
+    assert not engine.graphed(graphs, torch.device("cpu"))  # CUDA only, as bf16
+    assert engine.graphed(graphs, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("setting", [{"compile": True}, {"optimizer": "adadelta"}])
+def test_cuda_graphs_refuses_what_it_cannot_record(setting):
+    with pytest.raises(UserError, match="cuda_graphs=true records the eager step"):
+        TrainConfig(model="qanet", cuda_graphs=True, **setting)
+
+
+def test_the_rate_on_the_device_is_written_in_place():
+    cfg = TrainConfig(model="qanet", lr=0.01, warmup_steps=4)
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr, fused=True)
+    schedule = engine.LRSchedule(optimizer, cfg, torch.device("cpu"))
+    rate = optimizer.param_groups[0]["lr"]
+    schedule.step()
+    assert optimizer.param_groups[0]["lr"] is rate  # where a recording reads it
+    assert rate.dtype == torch.float32 and rate.item() == pytest.approx(schedule.lr)
+    # A checkpoint of an eager run brings a Python float back: the rate is a tensor again.
+    saved = {"optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+    saved["optimizer"]["param_groups"][0]["lr"] = 0.5
+    optimizer.load_state_dict(saved["optimizer"])
+    schedule.load_state_dict(saved["schedule"])
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    assert optimizer.param_groups[0]["lr"].item() == pytest.approx(schedule.lr)
+
+
+class Inert(Emulated):
+    """A recording whose replay trains nothing: what a replay that missed its inputs, rate
+    or weights would come close to."""
+
+    def record(self, fn):
+        return (lambda: None), torch.zeros(())
+
+
+@pytest.mark.parametrize("recorder, expected", [(Emulated, 0.0), (Inert, 1.0)])
+def test_the_bring_up_tells_whether_a_replay_trains_as_the_eager_step(recorder, expected):
+    from tests.test_cli import load_bringup
+
+    s = bench.setup("qanet", "smoke", ["device=cpu", "batch_size=2", "ema_decay=0.99"],
+                    vocab_size=2_000)
+    optimizer = torch.optim.Adam([p for p in s.model.parameters() if p.requires_grad],
+                                 lr=s.cfg.lr, fused=True)
+    step = engine.TrainingStep(s.model, s.model, optimizer, s.ema, s.cfg, s.device)
+    step.graphs = GraphedStep(step._recorded, s.device, recorder())
+    s.model.train()
+    batch = bench.synthetic_batch(s.vocab, 2, 12)
+    step(batch), step(batch)  # the warm-up, then the recording
+    before = [p.detach().clone() for p in s.model.parameters()]
+    assert load_bringup().agreement(step, batch) == expected
+    assert all(torch.equal(a, b) for a, b in zip(before, s.model.parameters()))  # restored
