@@ -596,15 +596,25 @@ def send(args) -> list[Path]:
     return sorted(folder.iterdir())
 
 
+def fresh_work(work: Path) -> Path:
+    """The command's folder, emptied but for the benchmark files of a command before it on
+    this machine (a warm machine's second command, ``--steps train``, reads what the first
+    measured: which readers replay their steps as CUDA graphs, :func:`graphed`); they go back
+    again in this command's ``session.tar``, which import takes as the newer."""
+    for path in work.iterdir() if work.is_dir() else ():
+        if path.name != "results":
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for sub in ("results", "logs"):
+        (work / sub).mkdir(parents=True, exist_ok=True)
+    return work
+
+
 def session(args) -> dict:
     """``run``: every step in turn, then the files to take back."""
     from mrc_lib.train import device_name, resolve_device
 
     args.started = datetime.now(UTC).isoformat(timespec="seconds")
-    work = Path(args.work)
-    shutil.rmtree(work, ignore_errors=True)
-    for sub in ("results", "logs"):
-        (work / sub).mkdir(parents=True)
+    work = fresh_work(Path(args.work))
     s = Session(args, device_name(resolve_device("cpu" if args.tiny else "cuda")), work,
                 Path(args.results), time.time() + 60 * args.minutes)
     try:  # without its data or carry-over a run fails or starts over; the benchmarks still run

@@ -653,3 +653,15 @@ def test_new_compile_artifacts_go_back_compressed_within_their_room_and_into_the
     (cache / "nvidia_h200" / "new-1.bin.xz").unlink()
     lines = gs.import_compile_cache(tmp_path / "back" / "compile_cache", cache, staged)
     assert lines == [f"compile cache {cache / 'nvidia_h200' / 'new-1.bin.xz'}: commit it"]
+
+
+def test_a_second_command_on_the_warm_machine_reads_what_the_first_measured(tmp_path):
+    work = tmp_path / "session"
+    gs.fresh_work(work)
+    (work / "results" / "gpu_x_cuda_graphs.json").write_text("{}")
+    (work / "logs" / "train.log").write_text("first")
+    (work / "session.json").write_text("{}")
+    (work / "cache").mkdir()
+    assert gs.fresh_work(work) == work
+    assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) == [
+        "logs", "results", "results/gpu_x_cuda_graphs.json"]
