@@ -43,8 +43,8 @@ eagerly (``benchmarks/cudagraph_check.py`` makes the same checks on the CPU).
 its launches, and autocast adds a cast kernel before each matrix product and convolution whose
 input or weight is float32 (``benchmarks/op_counts.py`` counts them, ``bf16_casts``), which
 full precision does without. Its entries have the config hash of ``bf16: false``.
-``--cuda-graphs`` measures the readers the full profile trains with Adam with their step
-recorded once per batch shape and replayed as CUDA graphs (config ``cuda_graphs``,
+``--cuda-graphs`` measures the readers with their step recorded once per batch shape and
+replayed as CUDA graphs (config ``cuda_graphs``,
 :mod:`mrc_lib.graphs`): no torch.compile, nothing traced, every kernel of the step (the
 optimizer's and the weight average's too) in one launch. A recording torch refuses is the
 reader's error. Each entry also says how a replay agrees with the eager step from the same
@@ -233,14 +233,10 @@ def kept(out: Path, results: dict, device: str) -> dict:
 
 def default_readers(args) -> list[str]:
     """Every reader the full profile configures; with ``--fp32``, those it runs in bf16 (the
-    others' full-precision rate is the plain bring-up's); with ``--cuda-graphs``, those it
-    trains with Adam (config ``cuda_graphs`` refuses Adadelta)."""
-    if args.fp32:
-        return [name for name in full_readers() if resolve_config(name, profile="full").bf16]
-    if args.cuda_graphs:
-        return [name for name in full_readers()
-                if resolve_config(name, profile="full").optimizer != "adadelta"]
-    return full_readers()
+    others' full-precision rate is the plain bring-up's)."""
+    if not args.fp32:
+        return full_readers()
+    return [name for name in full_readers() if resolve_config(name, profile="full").bf16]
 
 
 def main(argv=None) -> dict:

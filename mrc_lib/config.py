@@ -109,8 +109,8 @@ class TrainConfig:
         cuda_graphs: record the trainer's whole step (forward, loss, backward, clipping,
             optimizer, weight average) as a CUDA graph once per batch shape and replay it
             (:class:`mrc_lib.graphs.GraphedStep`): one launch for a step's thousands of
-            kernels. CUDA only (ignored elsewhere, as ``bf16``), with Adam or AdamW, without
-            ``compile``; use it with ``pad_multiple`` so that a few shapes recur.
+            kernels. CUDA only (ignored elsewhere, as ``bf16``), without ``compile``; use it
+            with ``pad_multiple`` so that a few shapes recur.
         pad_multiple: pad each training batch's context, question and passage lengths up to a
             multiple of this (1: to the batch's longest), so that a few shapes recur; outputs at
             the real positions are unchanged, only the extra padding costs work.
@@ -177,11 +177,9 @@ class TrainConfig:
                                 f"{', '.join(allowed)}")
         if self.pad_multiple < 1:
             raise UserError(f"config pad_multiple={self.pad_multiple}: expected 1 or more")
-        if self.cuda_graphs and (self.compile or self.optimizer == "adadelta"):
+        if self.cuda_graphs and self.compile:
             raise UserError("config cuda_graphs=true records the eager step: it needs "
-                            "compile=false and optimizer adam or adamw (whose fused step reads "
-                            f"its learning rate on the GPU), not compile={self.compile}, "
-                            f"optimizer={self.optimizer}")
+                            "compile=false")
 
     def to_dict(self) -> dict:
         """A JSON-ready copy (``config.json``)."""

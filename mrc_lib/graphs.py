@@ -12,7 +12,7 @@ and the weight average end.
 A recorded step replays what it recorded, so what changes from step to step lives on the
 device and is written there before each replay: the batch (copied into the recording's own
 input tensors), the learning rate (:class:`mrc_lib.train.LRSchedule` writes it into a tensor
-that the fused Adam step reads, ``capturable``) and the weight average's ``1 − d_n``
+that the ``capturable`` optimizer's step reads) and the weight average's ``1 − d_n``
 (:meth:`mrc_lib.train.EMA.average`). Parameters, optimizer state and the average are updated
 in place, where the recordings read them. Random draws (dropout, stochastic depth) come from
 PyTorch's graph-safe generator: each replay advances its offset as the eager step does, so a

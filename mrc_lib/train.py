@@ -162,9 +162,9 @@ class LRSchedule:
     (the task's :meth:`~mrc_lib.tasks.Task.score` of ``cfg.plateau_metric``).
 
     With ``device``, each parameter group's rate is a float32 tensor there, written in place:
-    what a CUDA graph of the fused Adam step reads (:mod:`mrc_lib.graphs`). The step then
-    divides the rate rounded to float32 (a relative change of at most 6e-8) where, given a
-    Python float, it divides the float64 rate."""
+    what a CUDA graph of the optimizer's step reads (:mod:`mrc_lib.graphs`). The step then
+    computes with the rate rounded to float32 (a relative change of at most 6e-8) where, given
+    a Python float, it computes with the float64 rate."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainConfig,
                  device: torch.device | None = None):
@@ -226,14 +226,18 @@ def graphed(cfg: TrainConfig, device: torch.device) -> bool:
 def build_optimizer(cfg: TrainConfig, model: nn.Module,
                     device: torch.device) -> torch.optim.Optimizer:
     """The optimizer named by ``cfg`` over ``model``'s trainable parameters (Adam fused on
-    CUDA, and ``capturable`` when its steps replay as CUDA graphs: :func:`graphed`)."""
+    CUDA). When its steps replay as CUDA graphs (:func:`graphed`) it is ``capturable``: its
+    step count and learning rate stay on the device (Adadelta's multi-tensor step reads a
+    tensor rate there; its one-tensor step would read it back to the host)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    graphs = graphed(cfg, device)
     if cfg.optimizer == "adadelta":
         return torch.optim.Adadelta(params, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps,
-                                    weight_decay=cfg.weight_decay)
+                                    weight_decay=cfg.weight_decay, capturable=graphs,
+                                    foreach=True if graphs else None)
     adam = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
     return adam(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                fused=device.type == "cuda", capturable=graphed(cfg, device))
+                fused=device.type == "cuda", capturable=graphs)
 
 
 # How compiled() traces a reader, as the compiled bring-ups know it (each compiled file records

@@ -77,11 +77,8 @@ def test_gpu_bringup_runs_every_reader_tiny_on_cpu(tmp_path):
         assert m["epoch_seconds"] == speed["epoch_seconds"] > 0 and m["peak_memory_bytes"] > 0
 
 
-def test_gpu_bringup_records_the_adam_readers_steps_as_cuda_graphs(tmp_path):
+def test_gpu_bringup_records_the_readers_steps_as_cuda_graphs(tmp_path):
     bringup = load_bringup()
-    readers = bringup.default_readers(bringup.argparse.Namespace(fp32=False, cuda_graphs=True))
-    assert {"qanet", "dynsan", "phasecond", "san"} <= set(readers)
-    assert not {"bidaf", "bidafpp", "rnet", "decaprop"} & set(readers)  # Adadelta
     out = tmp_path / "graphs.json"
     result = bringup.main(["--device", "cpu", "--tiny", "--cuda-graphs", "--models", "qanet",
                            "--out", str(out)])
