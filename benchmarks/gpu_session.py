@@ -280,7 +280,9 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
     """A ``gpu_bringup.py --compile`` step of ``models`` in ``mode``: their
     ``compile_regions`` at three lengths (the third shows whether a new length compiles
     again), or the ``whole`` readers at two, for longer (the whole step compiles at once: QANet's
-    took several times its blocks' time on a CPU)."""
+    took several times its blocks' time on a CPU). In mode ``cudagraphs`` (the traced step
+    replayed, its kernels unfused) it is skipped once the recorded eager step replays every one
+    of ``models`` (:func:`recorded`): the same kernels, with the optimizer's in the graph too."""
     def left(s: Session) -> list[str]:
         final = final_on_chip(s, file) if whole else set()
         return [name for name in models.split(",") if name not in final]
@@ -288,6 +290,8 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
     def skip(s: Session) -> str | None:
         if s.tiny:
             return "CUDA only"
+        if mode == "cudagraphs" and set(models.split(",")) <= set(recorded(s)):
+            return "the recorded eager step replays these readers (cuda_graphs)"
         if earlier_error(s, file):
             return None
         if not left(s):
@@ -366,20 +370,26 @@ def cuda_graphs_argv(s: Session, budget: float) -> list[str]:
             "--out", str(s.resumed(GRAPHS_FILE))]
 
 
-def graphed(s: Session) -> list[str]:
-    """The readers whose runs this session's queue replays as CUDA graphs: those that
-    ``gpu_bringup.py --cuda-graphs`` measured on this chip without error, with an
-    ``agreement`` of at most :data:`AGREEMENT_MAX` and :data:`GRAPHS_GAIN` times the eager
-    bring-up's rate at 140 tokens (or no eager rate on file)."""
+def recorded(s: Session) -> dict[str, dict]:
+    """The entries of the readers whose recorded steps ``gpu_bringup.py --cuda-graphs``
+    measured on this chip without error, agreeing with their eager steps (``agreement`` at
+    most :data:`AGREEMENT_MAX`)."""
     found = s.on_file(GRAPHS_FILE, chip=True) or {}
+    return {name: m for name, m in found.get("models", {}).items()
+            if "error" not in m and m.get("agreement", 1.0) <= AGREEMENT_MAX}
+
+
+def graphed(s: Session) -> list[str]:
+    """The readers whose runs this session's queue replays as CUDA graphs: those
+    :func:`recorded` at :data:`GRAPHS_GAIN` times the eager bring-up's rate at 140 tokens (or
+    with no eager rate on file)."""
     eager = (s.on_file("gpu_{device}.json", chip=True) or {}).get("models", {})
 
     def rate(entry: dict) -> float:
         return entry.get("speed", {}).get("140", {}).get("train_examples_per_s", 0.0)
 
-    return [name for name, m in found.get("models", {}).items()
-            if "error" not in m and m.get("agreement", 1.0) <= AGREEMENT_MAX
-            and rate(m) >= GRAPHS_GAIN * rate(eager.get(name, {}))]
+    return [name for name, m in recorded(s).items()
+            if rate(m) >= GRAPHS_GAIN * rate(eager.get(name, {}))]
 
 
 def train_skip(s: Session) -> str | None:
