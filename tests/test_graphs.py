@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mrc_lib import bench, records
 from mrc_lib import train as engine
@@ -151,3 +152,35 @@ def test_the_bring_up_tells_whether_a_replay_trains_as_the_eager_step(recorder, 
     before = [p.detach().clone() for p in s.model.parameters()]
     assert load_bringup().agreement(step, batch) == expected
     assert all(torch.equal(a, b) for a, b in zip(before, s.model.parameters()))  # restored
+
+
+class HostReads(TorchDispatchMode):
+    """The operations of a step that a CUDA graph cannot record: a value read back to the host
+    (``.item()``, a tensor's truth, a data-dependent shape) or a tensor made from Python data
+    (an index list, ``torch.tensor``), which on a GPU is copied from the host at every step."""
+
+    NAMES = {"aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero",
+             "aten::masked_select", "aten::_unique2", "aten::lift_fresh"}
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.NAMES:
+            self.found.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", bench.full_readers())
+def test_no_readers_step_reads_back_or_copies_from_the_host(name):
+    s = bench.setup(name, "smoke", ["device=cpu", "batch_size=2"], vocab_size=2_000)
+    optimizer = s.optimizer if s.cfg.optimizer == "adadelta" else torch.optim.Adam(
+        [p for p in s.model.parameters() if p.requires_grad], fused=True)  # as on CUDA
+    step = engine.TrainingStep(s.model, s.model, optimizer, s.ema, s.cfg, s.device)
+    batch = bench.synthetic_batch(s.vocab, 2, 24)
+    s.model.train()
+    step(batch)  # the first step builds the optimizer's state
+    with HostReads() as reads:
+        step(batch)
+    assert reads.found == []

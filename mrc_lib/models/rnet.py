@@ -93,7 +93,10 @@ class InputEncoder(nn.Module):
 
     def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         """Passage ``[B, Lc, out_dim]`` and question ``[B, Lq, out_dim]`` embeddings."""
-        c_feats = batch["c_feats"][..., [LOWER_MATCH, TERM_FREQUENCY]].float()
+        # Two views stacked, not an index list: a list is a host tensor copied to the GPU at
+        # every step, which a CUDA graph cannot record (mrc_lib.graphs).
+        c_feats = torch.stack([batch["c_feats"][..., k] for k in (LOWER_MATCH, TERM_FREQUENCY)],
+                              dim=-1).float()
         q_feats = torch.stack([batch["q_feats"][..., LOWER_MATCH].float(), passage_frequency(
             batch["q_words"], batch["c_words"], batch["c_mask"])], dim=-1)
         p = self.embed(batch["c_words"], batch["c_chars"], batch["c_mask"], c_feats)
