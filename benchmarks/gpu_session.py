@@ -280,9 +280,10 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
     """A ``gpu_bringup.py --compile`` step of ``models`` in ``mode``: their
     ``compile_regions`` at three lengths (the third shows whether a new length compiles
     again), or the ``whole`` readers at two, for longer (the whole step compiles at once: QANet's
-    took several times its blocks' time on a CPU). In mode ``cudagraphs`` (the traced step
-    replayed, its kernels unfused) it is skipped once the recorded eager step replays every one
-    of ``models`` (:func:`recorded`): the same kernels, with the optimizer's in the graph too."""
+    took several times its blocks' time on a CPU). Each compile step looks for a step that
+    waits less on its launches; it is skipped once the recorded eager step replays every one of
+    ``models`` (:func:`recorded`), which waits on none and compiles nothing: a session's
+    minutes then go to training."""
     def left(s: Session) -> list[str]:
         final = final_on_chip(s, file) if whole else set()
         return [name for name in models.split(",") if name not in final]
@@ -290,7 +291,7 @@ def compile_step(name: str, mode: str, file: str, whole: bool = False,
     def skip(s: Session) -> str | None:
         if s.tiny:
             return "CUDA only"
-        if mode == "cudagraphs" and set(models.split(",")) <= set(recorded(s)):
+        if set(models.split(",")) <= set(recorded(s)):
             return "the recorded eager step replays these readers (cuda_graphs)"
         if earlier_error(s, file):
             return None
