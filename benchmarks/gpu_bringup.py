@@ -57,6 +57,7 @@ the script, not the speed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -311,6 +312,8 @@ def main(argv=None) -> dict:
                 results["models"][name] = {"error": f"{type(e).__name__}: {e}",
                                            "traceback": traceback.format_exc(limit=-3)}
             measuring.clear()
+            gc.collect()  # the reader and its recordings (a cycle: the step holds its own
+            # method) before the next reader's, whose memory peak is measured alone
             results["models"][name]["seconds"] = round(time.perf_counter() - tic, 1)
             print(name, results["models"][name].get("epoch_seconds",
                                                     results["models"][name].get("error")),
