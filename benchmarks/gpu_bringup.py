@@ -96,7 +96,6 @@ from mrc_lib.train import (  # noqa: E402
     device_name,
     peak_memory_bytes,
     resolve_device,
-    train_step,
 )
 from mrc_lib.utils import atomic_write_json, slug  # noqa: E402
 
@@ -153,9 +152,7 @@ def agreement(step: TrainingStep, batch) -> float:
     step(batch)  # replayed: the batch's shape is recorded
     replay = moved()
     restore()
-    train_step(step.net, batch, step.optimizer, step.cfg, dev)  # the eager step
-    if ema is not None:
-        ema.update(model)
+    step.eager(batch)
     eager = moved()
     restore()
     norm = torch.linalg.vector_norm
@@ -191,10 +188,10 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
             result["speed"][str(seq_len)] = speed(step, s.batch(seq_len, seed=k), steps,
                                                   infer=not whole)
     if step.graphs is not None:
-        graphs = step.graphs
-        if graphs.failed:  # its rates are the eager step's
-            raise RuntimeError(f"cuda_graphs: {graphs.failed}")
-        result["cuda_graphs"] = {**graphs.counts, "shapes": len(graphs.recordings)}
+        recorded = step.graphs
+        if recorded.failed:  # its rates are the eager step's
+            raise RuntimeError(f"cuda_graphs: {recorded.failed}")
+        result["cuda_graphs"] = {**recorded.counts, "shapes": len(recorded.recordings)}
         result["agreement"] = float(f"{agreement(step, s.batch(seq_lens[0], seed=0)):.3g}")
     result["epoch_seconds"] = result["speed"][str(seq_lens[0])]["epoch_seconds"]
     result["peak_memory_bytes"] = peak_memory_bytes(dev)

@@ -413,6 +413,7 @@ def parallel(s: Session) -> int:
 
 def train_argv(s: Session, budget: float) -> list[str]:
     minutes = (budget - RUNNER_EXIT) / 60  # its trainers stop a --reserve before that
+    readers = graphed(s)
     return [PY, "-m", "mrc_lib", "queue", "run", "--minutes", f"{minutes:.2f}",
             "--reserve", str(TRAINER_RESERVE),
             "--out", str(s.args.runner), "--parallel", str(parallel(s)),
@@ -420,7 +421,7 @@ def train_argv(s: Session, budget: float) -> list[str]:
             "--file", str(s.args.queue_file), "--profile", s.args.profile,
             *(f"--only={p}" for p in s.args.only or []),
             *(f"--set={v}" for v in (*RUNNER_SETTINGS, *s.args.set)),
-            *([f"--graphed={','.join(graphed(s))}"] if graphed(s) else [])]
+            *([f"--graphed={','.join(readers)}"] if readers else [])]
 
 
 STEPS = [

@@ -421,14 +421,18 @@ class TrainingStep:
 
     def __call__(self, batch: dict[str, Tensor]) -> Tensor:
         if self.graphs is None:
-            loss = train_step(self.net, to_device(batch, self.device), self.optimizer,
-                              self.cfg, self.device)
-            if self.ema is not None:
-                self.ema.update(self.model)
-            return loss
+            return self.eager(batch)
         if self.ema is not None:
             self.weight.fill_(self.ema.next_weight())
         return self.graphs(batch)
+
+    def eager(self, batch: dict[str, Tensor]) -> Tensor:
+        """The step as it runs without ``cuda_graphs``, whatever the config says."""
+        loss = train_step(self.net, to_device(batch, self.device), self.optimizer, self.cfg,
+                          self.device)
+        if self.ema is not None:
+            self.ema.update(self.model)
+        return loss
 
     def _recorded(self, batch: dict[str, Tensor]) -> Tensor:
         """What a recording holds: the step on a batch on the device, the average's update
