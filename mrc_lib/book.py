@@ -259,14 +259,16 @@ def record_state(record: dict, job) -> str:
 
 def runs_table(rows: list[tuple[dict, str]]) -> str:
     """One chapter's training records: state, device, epochs, final and best dev scores, test
-    scores where the task has a test split, wall time and peak memory."""
+    scores where the task has a test split (the last epoch's, then the best dev epoch's: the
+    run's scores where the profile selects the model on dev), wall time and peak memory."""
     from mrc_lib import records
 
     names = metric_names([r.get("dev") for r, _ in rows])
     tests = metric_names([r.get("test") for r, _ in rows])
     columns = (["Run", "State", "Device", "Epochs"] + [f"Dev {n}" for _, n in names]
                + ["Best epoch"] + [f"Best dev {n}" for _, n in names]
-               + [f"Test {n}" for _, n in tests] + ["Minutes", "Peak GiB"])
+               + [f"Test {n}" for _, n in tests] + [f"Best-epoch test {n}" for _, n in tests]
+               + ["Minutes", "Peak GiB"])
     table = []
     for record, state in rows:
         epochs = record["config"].get("epochs")
@@ -276,6 +278,7 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
             + [(record.get("dev") or {}).get(k) for k, _ in names] + [record.get("best_epoch")]
             + [(record.get("best_dev") or {}).get(k) for k, _ in names]
             + [(record.get("test") or {}).get(k) for k, _ in tests]
+            + [(record.get("best_test") or {}).get(k) for k, _ in tests]
             + [record.get("wall_seconds") and record["wall_seconds"] / 60,
                record.get("peak_memory_bytes") and record["peak_memory_bytes"] / 2**30])
     return markdown_table(columns, table)
@@ -384,7 +387,9 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
              "same config as a GPU's: the *Device* column gives the precision each run "
              "computed in (bf16 autocast needs CUDA, so a CPU computes in fp32). Several runs "
              "of a session share its GPU, so their minutes are not a single run's speed (the "
-             "bring-up files in `benchmarks/results/` are).",
+             "bring-up files in `benchmarks/results/` are). *Dev* and *Test* are the last "
+             "epoch's scores, *Best dev* and *Best-epoch test* those of the epoch with the best "
+             "dev score, which a profile that selects the model on dev (EA Reader's) reports.",
              "**The queue.** Runs per chapter and their state; the minutes left are the queue "
              "file's estimates for one H100, less what partial runs have done.",
              markdown_table(["Chapter", "Runs", "Done", "Partial", "Missing",

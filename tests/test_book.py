@@ -336,7 +336,25 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     assert " | done, earlier config: runs again | " in rows["r_seed2"]
     # A CPU computes in fp32 whatever the config's bf16 (autocast needs CUDA).
     assert " | done, not in the queue (profile cpu) | AMD EPYC (fp32) | " in rows["probe"]
-    assert "Test" not in page  # no record has a test split
+    assert "Test accuracy" not in page and "| Test" not in page  # no record has a test split
+
+
+def test_runs_table_gives_the_last_and_the_best_dev_epochs_test_scores():
+    """A cloze record: the last epoch's test score beside the best dev epoch's, the run's score
+    where the profile selects on dev (EA Reader)."""
+    from mrc_lib.book import runs_table
+
+    record = {"run": "ANON/r", "config": {"epochs": 10, "bf16": True}, "device": "Intel Xeon",
+              "cuda": None, "epochs_run": 10, "dev": {"accuracy": 16.2}, "best_epoch": 7,
+              "best_dev": {"accuracy": 16.55}, "test": {"accuracy": 16.29},
+              "best_test": {"accuracy": 16.61}, "wall_seconds": 600.0,
+              "peak_memory_bytes": 2**30}
+    header, _, row = runs_table([(record, "done")]).splitlines()
+    assert header == ("| Run | State | Device | Epochs | Dev accuracy | Best epoch | "
+                      "Best dev accuracy | Test accuracy | Best-epoch test accuracy | Minutes | "
+                      "Peak GiB |")
+    assert row == ("| ANON/r | done | Intel Xeon (fp32) | 10 of 10 | 16.2 | 7 | 16.55 | 16.29 "
+                   "| 16.61 | 10 | 1 |")
 
 
 def test_full_runs_page_without_records_or_benchmarks(tmp_path):
