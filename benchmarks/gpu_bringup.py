@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 
 from mrc_lib import records  # noqa: E402
 from mrc_lib.bench import (  # noqa: E402
+    AGREEMENT_REVISION,
     CUT,
     SPEED_REVISION,
     SQUAD_TRAIN_EXAMPLES,
@@ -124,8 +125,11 @@ def agreement(step: TrainingStep, batch) -> float:
     from the same weights, optimizer state, average and random state (dropout draws the same
     masks): ``‖Δ_replay − Δ_eager‖ / ‖Δ_eager‖`` over all trainable parameters together.
     Rounding (bf16, atomic sums, the kernels' order) gives a small number; a replay that trains
-    nothing gives 1, one reading a stale batch, rate or random state a number near it."""
+    nothing gives 1, one reading a stale batch, rate or random state a number near it. Both
+    steps train: the eager one in train mode, as the replay was recorded (the inference timing
+    of :func:`speed` leaves the reader in eval mode, in which a cuDNN RNN has no backward)."""
     model, ema, dev = step.model, step.ema, step.device
+    model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     state = params + [t for st in step.optimizer.state.values() for t in st.values()
                       if isinstance(t, torch.Tensor)] + \
@@ -199,9 +203,10 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
 
 
 SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_revision",
-            "compile_whole", "fp32", "cuda_graphs", "tiny", "seq_lens", "steps")  # a file
-# holds the fourth to the ninth only where they apply (compile_revision under --compile, the
-# others when true)
+            "compile_whole", "fp32", "cuda_graphs", "agreement_revision", "tiny", "seq_lens",
+            "steps")  # a file holds the fourth to the tenth only where they apply
+# (compile_revision under --compile, agreement_revision under --cuda-graphs, the others when
+# true)
 
 
 def kept(out: Path, results: dict, device: str) -> dict:
@@ -275,6 +280,7 @@ def main(argv=None) -> dict:
         results["fp32"] = True
     if args.cuda_graphs:
         results["cuda_graphs"] = True
+        results["agreement_revision"] = AGREEMENT_REVISION
     if args.resume:
         results["models"] = kept(out, results, args.device)
     measuring = {}  # the reader being measured, and since when

@@ -361,7 +361,12 @@ GRAPHS_GAIN = 1.2
 
 
 def cuda_graphs_skip(s: Session) -> str | None:
-    return chip_skip(s, GRAPHS_FILE)
+    """On file for the chip, and checked by today's :data:`mrc_lib.bench.AGREEMENT_REVISION`
+    (else measured again)."""
+    from mrc_lib.bench import same_check
+
+    found = s.on_file(GRAPHS_FILE, chip=True)
+    return chip_skip(s, GRAPHS_FILE) if found and same_check(found) else None
 
 
 def cuda_graphs_argv(s: Session, budget: float) -> list[str]:
@@ -374,8 +379,12 @@ def cuda_graphs_argv(s: Session, budget: float) -> list[str]:
 def recorded(s: Session) -> dict[str, dict]:
     """The entries of the readers whose recorded steps ``gpu_bringup.py --cuda-graphs``
     measured on this chip without error, agreeing with their eager steps (``agreement`` at
-    most :data:`AGREEMENT_MAX`)."""
+    most :data:`AGREEMENT_MAX`) by today's check (:func:`mrc_lib.bench.same_check`)."""
+    from mrc_lib.bench import same_check
+
     found = s.on_file(GRAPHS_FILE, chip=True) or {}
+    if not same_check(found):
+        return {}
     return {name: m for name, m in found.get("models", {}).items()
             if "error" not in m and m.get("agreement", 1.0) <= AGREEMENT_MAX}
 

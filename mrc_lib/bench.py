@@ -44,6 +44,12 @@ SQUAD_TRAIN_EXAMPLES = 87_599
 # 3: RNN layers in full precision under bf16 autocast, where torch ran them in fp16
 # (mrc_lib.nn.rnn.full_precision).
 SPEED_REVISION = 3
+# The revision of the recorded step's check (benchmarks/gpu_bringup.py --cuda-graphs, written to
+# its file as agreement_revision; a file without the field is of revision 1). 2: the check's
+# eager step trains in train mode; in revision 1 it ran in the eval mode that the inference
+# timing left, so every RNN reader failed (a cuDNN RNN has no backward in eval mode) and the
+# others' agreement compared a step with dropout to one without.
+AGREEMENT_REVISION = 2
 # A bring-up entry's error while its measurement runs, kept with the seconds it had when its
 # command was cut (benchmarks/gpu_bringup.py; the Full-scale runs page shows them).
 CUT = "cut: the command ended before this reader's measurement did"
@@ -204,6 +210,12 @@ def same_code(measured: dict) -> bool:
     """Whether a speed measurement (a bring-up entry, a profile file) was made of the readers'
     code of today (:data:`SPEED_REVISION`; one without the field is of revision 1)."""
     return measured.get("speed_revision", 1) == SPEED_REVISION
+
+
+def same_check(found: dict) -> bool:
+    """Whether a recorded-step file (``gpu_<device>_cuda_graphs.json``) was checked by today's
+    :data:`AGREEMENT_REVISION`."""
+    return found.get("agreement_revision", 1) == AGREEMENT_REVISION
 
 
 def reader_hash(model_name: str, profile: str = "full", overrides: Sequence[str] = ()) -> str:

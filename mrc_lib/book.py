@@ -292,15 +292,17 @@ VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_red
             "_compile_whole_cudagraphs", "_cuda_graphs")
 
 
-def variant_cell(entry: dict):
+def variant_cell(entry: dict, stale: bool = False):
     """A variant's seconds per SQuAD epoch; for a reader whose compilation its step's time
-    cut, how long it had compiled; for one whose step raised an error, that it failed."""
+    cut, how long it had compiled; for one whose step raised an error, that it failed, or,
+    in a ``stale`` file (a recorded-step file of an earlier check,
+    :func:`mrc_lib.bench.same_check`), that it is to be measured again."""
     from mrc_lib.bench import CUT
 
     if entry.get("error") == CUT and "seconds" in entry:
         return f"cut after {entry['seconds']:.0f} s"
     if entry.get("error") and entry["error"] != CUT:
-        return "failed"
+        return "measure again" if stale else "failed"
     return entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
 
 
@@ -311,7 +313,7 @@ def speed_rows(results_dir: Path) -> list[list]:
     traced whole as CUDA graphs without inductor and the eager step recorded as CUDA graphs,
     the rates behind the first, peak memory, and whether the reader's config is still the one
     measured."""
-    from mrc_lib.bench import reader_hash
+    from mrc_lib.bench import reader_hash, same_check
 
     rows, today = [], {}
     for path in sorted(results_dir.glob("gpu_*.json")):
@@ -320,8 +322,10 @@ def speed_rows(results_dir: Path) -> list[list]:
         eager = json.loads(path.read_text(encoding="utf-8"))
         if eager.get("tiny"):
             continue
-        modes = [json.loads(f.read_text(encoding="utf-8")).get("models", {}) if f.is_file()
-                 else {} for f in (path.with_name(f"{path.stem}{s}.json") for s in VARIANTS)]
+        files = [json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
+                 for f in (path.with_name(f"{path.stem}{s}.json") for s in VARIANTS)]
+        modes = [(f.get("models", {}), suffix == "_cuda_graphs" and f and not same_check(f))
+                 for f, suffix in zip(files, VARIANTS)]
         for name, m in sorted(eager["models"].items()):
             if "speed" not in m:
                 continue
@@ -330,7 +334,8 @@ def speed_rows(results_dir: Path) -> list[list]:
             config = ("not recorded" if "config_hash" not in m else
                       "current" if m["config_hash"] == today[name] else "earlier")
             rows.append([name, eager["device"], m["batch_size"], "yes" if m["bf16"] else "no",
-                         variant_cell(m), *(variant_cell(mode.get(name, {})) for mode in modes),
+                         variant_cell(m),
+                         *(variant_cell(mode.get(name, {}), stale) for mode, stale in modes),
                          m["speed"].get(SPEED_TOKENS, {}).get("train_examples_per_s"),
                          m["peak_memory_bytes"] / 2**30, config])
     return rows
@@ -411,7 +416,10 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "replayed as CUDA graphs (`cuda_graphs: true`, `mrc_lib/graphs.py`). "
                   "*Cut after* gives how long a compilation had run when its step's time ended; "
                   "*failed*, that it raised an error, which its file keeps "
-                  "(`benchmarks/gpu_bringup.py`, files `benchmarks/results/gpu_*.json`)."
+                  "(`benchmarks/gpu_bringup.py`, files `benchmarks/results/gpu_*.json`); "
+                  "*measure again*, that an earlier revision of the recorded step's check "
+                  "raised it (its eager step ran in eval mode), and the next GPU session "
+                  "measures the reader again (`AGREEMENT_REVISION` in `mrc_lib/bench.py`)."
                   " Issue 13's targets for one H100: BiDAF 60 s, QANet 45 s. *Config* says "
                   "whether the reader is still configured as it was measured.",
                   markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s", "fp32",

@@ -3,7 +3,7 @@
 import json
 import subprocess
 
-from mrc_lib.bench import CUT
+from mrc_lib.bench import AGREEMENT_REVISION, CUT
 from mrc_lib.book import (
     CONFIG,
     INSTALL_CELL_MARK,
@@ -299,8 +299,12 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     (results / "gpu_x_compile_whole_cudagraphs.json").write_text(json.dumps(
         {"device": "X", "models": {"bidaf": {"error": CUT, "seconds": 298.3}}}))
     (results / "gpu_x_cuda_graphs.json").write_text(json.dumps(
-        {"device": "X", "cuda_graphs": True, "models": {"bidaf": {"speed": {"400": {
-            "epoch_seconds": 12.0}}, "agreement": 0.001}}}))
+        {"device": "X", "cuda_graphs": True, "agreement_revision": AGREEMENT_REVISION,
+         "models": {"bidaf": {"speed": {"400": {"epoch_seconds": 12.0}}, "agreement": 0.001}}}))
+    # A recorded step that an earlier revision of its check failed is to be measured again.
+    (results / "gpu_z.json").write_text(json.dumps({"device": "Z", "models": {"bidaf": bidaf}}))
+    (results / "gpu_z_cuda_graphs.json").write_text(json.dumps(
+        {"device": "Z", "cuda_graphs": True, "models": {"bidaf": {"error": "RuntimeError: x"}}}))
     (results / "gpu_x_fp32.json").write_text(json.dumps(
         {"device": "X", "fp32": True, "models": {"bidaf": {"speed": {"400": {"epoch_seconds":
                                                                               44.0}}}}}))
@@ -324,6 +328,8 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     # the blocks failed; a reader failed eager and --tiny left out.
     assert ("| bidaf | X | 60 | no | 46.9 | 44 | 40 | failed | 20 | cut after 298 s | 12 | 1866 "
             "| 2 | earlier |") in page
+    assert ("| bidaf | Z | 60 | no | 46.9 | — | — | — | — | — | measure again | 1866 | 2 | "
+            "earlier |") in page
     assert "| qanet | X" not in page and "| cpu |" not in page
     # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.
     assert "| tq | 4 | 1 | 1 | 2 | 25 |" in page

@@ -87,6 +87,11 @@ def test_gpu_bringup_records_the_readers_steps_as_cuda_graphs(tmp_path):
     assert "agreement" not in result["models"]["qanet"]
     assert result["models"]["qanet"]["config_hash"] == bringup.reader_hash(
         "qanet", "smoke", ["device=cpu", "batch_size=2"])
+    # A file of an earlier check (revision 1 had no agreement_revision) keeps no reader.
+    assert result["agreement_revision"] == bringup.AGREEMENT_REVISION
+    assert set(bringup.kept(out, result, "cpu")) == {"qanet"}
+    out.write_text(json.dumps({k: v for k, v in result.items() if k != "agreement_revision"}))
+    assert bringup.kept(out, result, "cpu") == {}
 
 
 def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):

@@ -14,7 +14,7 @@ from argparse import Namespace
 import pytest
 import torch
 
-from mrc_lib import queue, records
+from mrc_lib import bench, queue, records
 from mrc_lib.bench import SPEED_REVISION, full_readers
 from mrc_lib.config import resolve_config
 from mrc_lib.train import device_name
@@ -201,7 +201,9 @@ def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_pat
         assert steps[step].skip(s) is None
         (results / name).write_text(json.dumps({"device": "NVIDIA H200", "complete": True,
                                                 "recommended_parallel": 3,
-                                                "speed_revision": SPEED_REVISION}))
+                                                "speed_revision": SPEED_REVISION,
+                                                "agreement_revision":
+                                                    bench.AGREEMENT_REVISION}))
         assert steps[step].skip(s) == "on file for the NVIDIA H200 (the same chip)"
     assert gs.parallel(s) == 3
     (results / "packing_nvidia_h100_80gb_hbm3.json").write_text(json.dumps(
@@ -388,18 +390,26 @@ def test_the_queue_replays_the_readers_whose_recorded_steps_agree_and_gain(tmp_p
 
     (results / "gpu_nvidia_h200.json").write_text(json.dumps({"models": {
         name: entry(100.0) for name in ("qanet", "dynsan", "phasecond", "san")}}))
-    (results / "gpu_nvidia_h200_cuda_graphs.json").write_text(json.dumps({"models": {
-        "qanet": entry(300.0, agreement=0.002), "dynsan": entry(300.0, agreement=0.9),
-        "phasecond": entry(110.0, agreement=0.001), "san": {"error": "cuda_graphs: ..."},
-        "ea_reader": entry(50.0, agreement=0.0)}}))  # no eager rate on file
+    checked = {"qanet": entry(300.0, agreement=0.002), "dynsan": entry(300.0, agreement=0.9),
+               "phasecond": entry(110.0, agreement=0.001), "san": {"error": "cuda_graphs: ..."},
+               "ea_reader": entry(50.0, agreement=0.0)}  # no eager rate on file
+    graphs_file = results / "gpu_nvidia_h200_cuda_graphs.json"
+    on_file = {"device": "NVIDIA H200", "models": checked, "complete": True}
+    graphs_file.write_text(json.dumps(on_file))
+    # A file of the first check (no agreement_revision) is measured again, and trusted for none.
+    assert gs.graphed(s) == [] and gs.cuda_graphs_skip(s) is None
+    graphs_file.write_text(json.dumps({**on_file,
+                                       "agreement_revision": bench.AGREEMENT_REVISION}))
+    assert gs.cuda_graphs_skip(s) == "on file for the NVIDIA H200 (the same chip)"
     assert gs.graphed(s) == ["qanet", "ea_reader"]
     assert "--graphed=qanet,ea_reader" in gs.train_argv(s, 300)
     # The compile steps run while the recorded step does not replay all of their readers.
     compiling = [step for step in gs.STEPS if step.name in ("graphs", "compile_whole",
                                                             "compile", "compile_ro")]
     assert [step.skip(s) for step in compiling] == [None] * 4
-    (results / "gpu_nvidia_h200_cuda_graphs.json").write_text(json.dumps({"models": {
-        name: entry(110.0, agreement=0.0) for name in ("qanet", "dynsan", "phasecond")}}))
+    graphs_file.write_text(json.dumps({"agreement_revision": bench.AGREEMENT_REVISION,
+                                       "models": {name: entry(110.0, agreement=0.0)
+                                                  for name in ("qanet", "dynsan", "phasecond")}}))
     assert {step.skip(s) for step in compiling} == {
         "the recorded eager step replays these readers (cuda_graphs)"}
 

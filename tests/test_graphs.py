@@ -25,14 +25,32 @@ LENGTHS = (12, 16, 12, 12, 16, 20, 12)  # context lengths of the steps: three sh
 
 
 class Emulated:
-    """A CUDA graph's semantics on the CPU."""
+    """A CUDA graph's semantics on the CPU. A graph replays the kernels its recording
+    launched, whatever the Python state at the replay: given the ``model``, a replay runs in
+    the train or eval modes its modules had when it was recorded (dropout on, say, in a reader
+    since put in eval mode)."""
+
+    def __init__(self, model: torch.nn.Module | None = None):
+        self.model = model
 
     def warm_up(self, fn):
         return fn()
 
     def record(self, fn):
         loss = torch.zeros(())
-        return (lambda: loss.copy_(fn())), loss
+        modes = None if self.model is None else [m.training for m in self.model.modules()]
+
+        def replay():
+            now = None if modes is None else [m.training for m in self.model.modules()]
+            self.set_modes(modes)
+            loss.copy_(fn())
+            self.set_modes(now)
+
+        return replay, loss
+
+    def set_modes(self, modes: list[bool] | None) -> None:
+        for m, training in zip(self.model.modules() if modes else (), modes or ()):
+            m.training = training
 
 
 class Refusing(Emulated):
@@ -145,10 +163,11 @@ def test_the_bring_up_tells_whether_a_replay_trains_as_the_eager_step(recorder, 
     optimizer = torch.optim.Adam([p for p in s.model.parameters() if p.requires_grad],
                                  lr=s.cfg.lr, fused=True)
     step = engine.TrainingStep(s.model, s.model, optimizer, s.ema, s.cfg, s.device)
-    step.graphs = GraphedStep(step._recorded, s.device, recorder())
+    step.graphs = GraphedStep(step._recorded, s.device, recorder(s.model))
     s.model.train()
     batch = bench.synthetic_batch(s.vocab, 2, 12)
     step(batch), step(batch)  # the warm-up, then the recording
+    s.model.eval()  # as the bring-up's inference timing leaves it: agreement trains
     before = [p.detach().clone() for p in s.model.parameters()]
     assert load_bringup().agreement(step, batch) == expected
     assert all(torch.equal(a, b) for a, b in zip(before, s.model.parameters()))  # restored
