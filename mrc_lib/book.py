@@ -324,7 +324,8 @@ def speed_rows(results_dir: Path) -> list[list]:
             continue
         files = [json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
                  for f in (path.with_name(f"{path.stem}{s}.json") for s in VARIANTS)]
-        modes = [(f.get("models", {}), suffix == "_cuda_graphs" and f and not same_check(f))
+        modes = [(f.get("models", {}),
+                  suffix == "_cuda_graphs" and bool(f) and not same_check(f))
                  for f, suffix in zip(files, VARIANTS)]
         for name, m in sorted(eager["models"].items()):
             if "speed" not in m:
