@@ -31,26 +31,26 @@ class Emulated:
     since put in eval mode)."""
 
     def __init__(self, model: torch.nn.Module | None = None):
-        self.model = model
+        self.modules = [] if model is None else list(model.modules())
 
     def warm_up(self, fn):
         return fn()
 
     def record(self, fn):
-        loss = torch.zeros(())
-        modes = None if self.model is None else [m.training for m in self.model.modules()]
+        loss, recorded = torch.zeros(()), [m.training for m in self.modules]
 
         def replay():
-            now = None if modes is None else [m.training for m in self.model.modules()]
-            self.set_modes(modes)
+            now = [m.training for m in self.modules]
+            set_modes(self.modules, recorded)
             loss.copy_(fn())
-            self.set_modes(now)
+            set_modes(self.modules, now)
 
         return replay, loss
 
-    def set_modes(self, modes: list[bool] | None) -> None:
-        for m, training in zip(self.model.modules() if modes else (), modes or ()):
-            m.training = training
+
+def set_modes(modules: list[torch.nn.Module], modes: list[bool]) -> None:
+    for m, training in zip(modules, modes):
+        m.training = training
 
 
 class Refusing(Emulated):
