@@ -200,15 +200,20 @@ def tiny_batch(vocab: int = 20, n: int = 9, seed: int = 0) -> dict:
 
 
 @pytest.mark.parametrize("normalize", ["vocabulary", "candidates"])
-def test_eq11_answer_from_final_state_by_hand(normalize):
+@pytest.mark.parametrize("answer", ["final_state", "final_state_free"])
+def test_eq11_answer_from_final_state_by_hand(normalize, answer):
     torch.manual_seed(0)
-    model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2,
+    model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2, answer=answer,
                    normalize=normalize).eval()
     batch = tiny_batch()
     with torch.no_grad():
         out = model(batch)
         _, s_T, _, _ = model.read(batch)
-        W_a = model.embed.weight @ model.P.weight  # [V, 2h]: W_a = E P
+        if answer == "final_state":
+            W_a = model.embed.weight @ model.P.weight  # [V, 2h]: W_a = E P
+        else:  # a free W_a: a row per word but padding; padding's row is never read
+            assert model.W_a.weight.shape == (19, 8) and not hasattr(model, "P")
+            W_a = torch.cat([torch.full((1, 8), float("nan")), model.W_a.weight])
         for b in range(3):
             present = [int(c) != 0 and bool((batch["doc_forms"][b, batch["doc_mask"][b]]
                                              == c).any()) for c in batch["cand_forms"][b]]

@@ -32,7 +32,9 @@ in the document; the answer is the candidate that fills the blank.
   restricted to the document would. ``W_a`` is tied to the word embeddings through a learned
   projection, ``W_a = E P`` (our choice: the paper does not say how ``W_a`` is parameterized; tying
   gives an answer never seen in training a GloVe-initialized row, and an anonymized marker
-  ``@entityN`` its own trained row). ``readout="context"`` answers from the last context
+  ``@entityN`` its own trained row). ``answer="final_state_free"`` is the other reading: ``W_a``
+  a free matrix, one row per word but padding, randomly initialized (``2h × (V − 1)`` weights,
+  ``V`` the vocabulary size). ``readout="context"`` answers from the last context
   vector ``o`` instead of ``s_T``: the Stanford AR's classifier.
 * ``answer="pointer_sum"`` (not the paper's answer layer, which the paper explicitly contrasts
   with pointer-sum attention): token scores ``z_i = m_i^T W_o s_T`` over the final memory,
@@ -50,7 +52,7 @@ from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax, zero_
 
 TOKENWISE = ("bilinear", "additive", "dot")
 SCORINGS = ("bitwise", *TOKENWISE, "multihead")
-ANSWERS = ("final_state", "pointer_sum")
+ANSWERS = ("final_state", "final_state_free", "pointer_sum")
 NORMALIZATIONS = ("vocabulary", "candidates")
 READOUTS = ("state", "context")
 
@@ -216,6 +218,8 @@ class EAReader(nn.Module):
         self.write = MemoryWrite(dim) if write else None
         if answer == "final_state":
             self.P = nn.Linear(dim, vectors.shape[1], bias=False)  # Eq. 11: W_a = E P
+        elif answer == "final_state_free":
+            self.W_a = nn.Linear(dim, len(vectors) - 1, bias=False)  # Eq. 11: word w is row w - 1
         else:
             self.W_o = nn.Linear(dim, dim, bias=False)  # pointer-sum: z_i = m_i^T W_o s_T
 
@@ -247,21 +251,32 @@ class EAReader(nn.Module):
         M, s, e, attention = self.read(batch)
         x = s if self.readout == "state" else e  # s_T (Eq. 11), or o for the Stanford AR
         present = occurs.any(dim=-1)
-        if self.answer == "final_state" and self.normalize == "vocabulary":
-            # Eq. 11: p = softmax(W_a x) over the vocabulary, W_a x = E P x; padding is no word
-            log_p = (self.P(x) @ self.embed.weight[1:].T).float().log_softmax(-1)  # [B, V-1]
-            # word w is column w - 1; a padding candidate (word 0) is not present: restricted
-            log_p = restrict(log_p.gather(1, (batch["cand_words"] - 1).clamp(min=0)), present)
+        # word w is column w - 1 of Eq. 11's scores; a padding candidate (word 0) is not
+        # present: restricted
+        columns = (batch["cand_words"] - 1).clamp(min=0)
+        if self.answer != "pointer_sum" and self.normalize == "vocabulary":
+            # Eq. 11: p = softmax(W_a x) over the vocabulary; padding is no word
+            log_p = self.vocabulary_scores(x).float().log_softmax(-1)  # [B, V-1]
+            log_p = restrict(log_p.gather(1, columns), present)
         else:
             if self.answer == "final_state":
                 E_c = self.embed(batch["cand_words"])  # [B, C, k], rows of E
                 logits = (E_c @ self.P(x).unsqueeze(-1)).squeeze(-1)  # W_a x = E P x
+            elif self.answer == "final_state_free":
+                logits = (self.W_a.weight[columns] @ x.unsqueeze(-1)).squeeze(-1)  # W_a x
             else:
                 z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
                 logits = pointer_sum(z, occurs)
             log_p = restrict(logits, present).log_softmax(-1)
         return {"candidate_log_probs": log_p,
                 "attention": torch.stack([A.mean(dim=-1) for A in attention], dim=1)}
+
+    def vocabulary_scores(self, x: Tensor) -> Tensor:
+        """Eq. 11's ``W_a x`` for every word but padding, ``[B, V-1]``: ``E P x`` (tied) or a
+        free ``W_a``."""
+        if self.answer == "final_state_free":
+            return self.W_a(x)
+        return self.P(x) @ self.embed.weight[1:].T  # W_a x = E P x
 
     @torch.no_grad()
     def analysis(self, data, cfg, examples: int = 3, tokens: int = 80) -> dict:
