@@ -18,6 +18,7 @@ from mrc_lib.models.ea_reader import (
     MSCF,
     EAReader,
     MemoryWrite,
+    occurrence_mean,
     occurrences,
     pointer_sum,
     restrict,
@@ -234,6 +235,47 @@ def test_eq11_answer_from_final_state_by_hand(normalize, answer):
     assert (total <= 1 + 1e-6).all()
 
 
+@pytest.mark.parametrize("answer", ["pointer_sum", "memory_mean"])
+def test_memory_answers_read_the_final_memory_by_hand(answer):
+    """Pointer-sum and Eq. 11 with rows read from the memory: token scores
+    ``z_i = m_i^T W_o s_T`` over ``M_T`` (after the last hop's write), then each candidate's
+    attention summed (pointer-sum) or the mean memory of its occurrences scored (memory_mean)."""
+    torch.manual_seed(0)
+    model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2, answer=answer).eval()
+    batch = tiny_batch()
+    mask = batch["doc_mask"]
+    with torch.no_grad():
+        out = model(batch)
+        M = model.doc_encoder(model.embed(batch["doc_words"]), mask)
+        s = model.query_encoder.final_states(model.embed(batch["query_words"]),
+                                             batch["query_mask"])
+        for t in range(2):
+            e, _ = model.mscf[t](M, s, mask)
+            s = model.W_s(s) + e  # Eq. 8
+            M = model.write(M, e, mask)  # Eqs. 9-10, at every hop: M_T
+    for b in range(3):
+        forms = batch["doc_forms"][b, mask[b]]
+        memory, W_o_s = M[b, mask[b]], model.W_o.weight @ s[b]
+        present = [int(c) != 0 and bool((forms == c).any()) for c in batch["cand_forms"][b]]
+        rows = [c for c, ok in zip(batch["cand_forms"][b], present) if ok]
+        if answer == "pointer_sum":  # Σ_{i: d_i = c} softmax(z)_i, renormalized
+            alpha = softmax(memory @ W_o_s)
+            mass = torch.stack([alpha[forms == c].sum() for c in rows])
+            p = mass / mass.sum()
+        else:  # softmax over the candidates of m̄_c^T W_o s_T
+            p = softmax(torch.stack([memory[forms == c].mean(0) @ W_o_s for c in rows]))
+        got = out["candidate_log_probs"][b].exp()
+        assert torch.allclose(got[torch.tensor(present)], p, atol=1e-5)
+        assert (got[~torch.tensor(present)] == 0).all()
+
+
+def test_occurrence_mean_averages_token_scores():
+    z = torch.tensor([[1.0, 2.0, 4.0, 8.0]])
+    occurs = torch.tensor([[[True, False, True, False], [False, True, False, False],
+                            [False, False, False, False]]])
+    assert torch.equal(occurrence_mean(z, occurs), torch.tensor([[2.5, 2.0, 0.0]]))
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_multi_hop_composition(share):
     torch.manual_seed(0)
@@ -291,6 +333,7 @@ def test_candidate_probabilities_do_not_depend_on_padding():
 @pytest.mark.parametrize("hparams", [
     {"scoring": "bitwise", "hops": 2, "write": True},
     {"scoring": "bitwise", "hops": 2, "write": True, "answer": "pointer_sum"},
+    {"scoring": "bitwise", "hops": 2, "write": True, "answer": "memory_mean"},
     {"scoring": "bitwise", "hops": 3, "write": True, "share_mscf": True},
     {"scoring": "bitwise", "hops": 1, "write": False, "projections": False},
     {"scoring": "additive", "hops": 1, "write": False},

@@ -39,6 +39,12 @@ in the document; the answer is the candidate that fills the blank.
 * ``answer="pointer_sum"`` (not the paper's answer layer, which the paper explicitly contrasts
   with pointer-sum attention): token scores ``z_i = m_i^T W_o s_T`` over the final memory,
   ``α = softmax(z)`` summed over each candidate's occurrences (Kadlec et al., 2016).
+* ``answer="memory_mean"`` (not the paper's; it asks where the answer is read): Eq. 11 with
+  candidate ``c``'s row of ``W_a`` read from the final memory instead of the word's row,
+  ``score_c = m̄_c^T W_o s_T`` with ``m̄_c`` the mean of ``M_T`` over ``c``'s occurrences, a
+  softmax over the candidates. Being linear in ``m̄_c``, the score is the mean of the token
+  scores ``z_i`` over the occurrences: it differs from pointer-sum only in that it averages the
+  occurrences' scores instead of summing their attention.
 """
 
 from __future__ import annotations
@@ -52,7 +58,8 @@ from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax, zero_
 
 TOKENWISE = ("bilinear", "additive", "dot")
 SCORINGS = ("bitwise", *TOKENWISE, "multihead")
-ANSWERS = ("final_state", "final_state_free", "pointer_sum")
+ANSWERS = ("final_state", "final_state_free", "pointer_sum", "memory_mean")
+MEMORY_ANSWERS = ("pointer_sum", "memory_mean")  # read the final memory M_T
 NORMALIZATIONS = ("vocabulary", "candidates")
 READOUTS = ("state", "context")
 
@@ -172,6 +179,14 @@ def pointer_sum(z: Tensor, occurs: Tensor) -> Tensor:
     return torch.logsumexp(mask_logits(z.unsqueeze(1).expand(occurs.shape), occurs), dim=-1)
 
 
+def occurrence_mean(z: Tensor, occurs: Tensor) -> Tensor:
+    """Candidate scores ``mean_{i: d_i = c} z_i`` from token scores ``z [B, m]``: the score
+    ``m̄_c^T W_o s_T`` of the mean memory ``m̄_c`` of ``c``'s occurrences, ``z`` being linear
+    in ``m_i``. A candidate without occurrence scores 0; the candidate mask removes it."""
+    occurs = occurs.to(z.dtype)
+    return (occurs @ z.unsqueeze(-1)).squeeze(-1) / occurs.sum(-1).clamp(min=1)
+
+
 def restrict(logits: Tensor, candidates: Tensor) -> Tensor:
     """Float32 scores with ``-inf`` outside the candidate mask: exact under any autocast dtype
     (no finite "most negative" value to compare with float32 logits)."""
@@ -183,8 +198,9 @@ class EAReader(nn.Module):
     """EA Reader and its ablations: ``subspaces`` (L), ``hops`` (T), ``write``, ``scoring``,
     ``projections``, ``share_mscf``, ``answer``, ``readout``, ``normalize`` (what Eq. 11's
     softmax runs over: the vocabulary, or the candidates in the document; the final-state
-    answer only, pointer-sum being over the candidates by construction); ``fusion=False`` with
-    ``subspaces=1, scoring="bilinear", hops=1, readout="context"`` is the Stanford AR.
+    answers only, the memory answers being over the candidates by construction);
+    ``fusion=False`` with ``subspaces=1, scoring="bilinear", hops=1, readout="context"`` is the
+    Stanford AR.
     Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1 on each BiGRU's input (the
     paper cites Srivastava et al.'s dropout: a new mask at every position); ``locked_dropout``,
     one mask per sequence, is a departure. Built over the cloze task's
@@ -221,10 +237,10 @@ class EAReader(nn.Module):
         elif answer == "final_state_free":
             self.W_a = nn.Linear(dim, len(vectors) - 1, bias=False)  # Eq. 11: word w is row w - 1
         else:
-            self.W_o = nn.Linear(dim, dim, bias=False)  # pointer-sum: z_i = m_i^T W_o s_T
+            self.W_o = nn.Linear(dim, dim, bias=False)  # z_i = m_i^T W_o s_T
 
     def read(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-        """Eqs. 1-10: the last memory (``M_T`` when the pointer-sum answer reads it, else
+        """Eqs. 1-10: the last memory (``M_T`` when the answer reads the memory, else
         ``M_{T-1}``), the state ``s_T``, the last context vector ``e_{T-1}`` and each hop's
         attention ``Ã``."""
         mask = batch["doc_mask"]
@@ -236,8 +252,8 @@ class EAReader(nn.Module):
             e, A = self.mscf[min(t, len(self.mscf) - 1)](M, s, mask)  # read
             if self.W_s is not None:
                 s = self.W_s(s) + e  # update, Eq. 8
-            if self.write is not None and (t < self.hops - 1 or self.answer == "pointer_sum"):
-                M = self.write(M, e, mask)  # write, Eqs. 9-10 (M_T: read by pointer-sum only)
+            if self.write is not None and (t < self.hops - 1 or self.answer in MEMORY_ANSWERS):
+                M = self.write(M, e, mask)  # write, Eqs. 9-10 (M_T: read by memory answers only)
             attention.append(A)
         return M, s, e, attention
 
@@ -254,7 +270,7 @@ class EAReader(nn.Module):
         # word w is column w - 1 of Eq. 11's scores; a padding candidate (word 0) is not
         # present: restricted
         columns = (batch["cand_words"] - 1).clamp(min=0)
-        if self.answer != "pointer_sum" and self.normalize == "vocabulary":
+        if self.answer not in MEMORY_ANSWERS and self.normalize == "vocabulary":
             # Eq. 11: p = softmax(W_a x) over the vocabulary; padding is no word
             log_p = self.vocabulary_scores(x).float().log_softmax(-1)  # [B, V-1]
             log_p = restrict(log_p.gather(1, columns), present)
@@ -266,7 +282,8 @@ class EAReader(nn.Module):
                 logits = (self.W_a.weight[columns] @ x.unsqueeze(-1)).squeeze(-1)  # W_a x
             else:
                 z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
-                logits = pointer_sum(z, occurs)
+                logits = (pointer_sum(z, occurs) if self.answer == "pointer_sum"
+                          else occurrence_mean(z, occurs))
             log_p = restrict(logits, present).log_softmax(-1)
         return {"candidate_log_probs": log_p,
                 "attention": torch.stack([A.mean(dim=-1) for A in attention], dim=1)}
