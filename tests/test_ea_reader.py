@@ -235,6 +235,20 @@ def test_eq11_answer_from_final_state_by_hand(normalize, answer):
     assert (total <= 1 + 1e-6).all()
 
 
+def hops_by_hand(model: EAReader, batch: dict, hops: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``M_T`` and ``s_T`` from Eqs. 1 and 8-10, hop by hop, writing after every hop (the last
+    write is what the memory answers read)."""
+    mask = batch["doc_mask"]
+    M = model.doc_encoder(model.embed(batch["doc_words"]), mask)  # M_0 = D
+    s = model.query_encoder.final_states(model.embed(batch["query_words"]),
+                                         batch["query_mask"])  # s_0 = q
+    for t in range(hops):
+        e, _ = model.mscf[min(t, len(model.mscf) - 1)](M, s, mask)  # read
+        s = (model.W_s.weight @ s.unsqueeze(-1)).squeeze(-1) + e  # Eq. 8
+        M = model.write(M, e, mask)  # Eqs. 9-10
+    return M, s
+
+
 @pytest.mark.parametrize("answer", ["pointer_sum", "memory_mean"])
 def test_memory_answers_read_the_final_memory_by_hand(answer):
     """Pointer-sum and Eq. 11 with rows read from the memory: token scores
@@ -246,13 +260,7 @@ def test_memory_answers_read_the_final_memory_by_hand(answer):
     mask = batch["doc_mask"]
     with torch.no_grad():
         out = model(batch)
-        M = model.doc_encoder(model.embed(batch["doc_words"]), mask)
-        s = model.query_encoder.final_states(model.embed(batch["query_words"]),
-                                             batch["query_mask"])
-        for t in range(2):
-            e, _ = model.mscf[t](M, s, mask)
-            s = model.W_s(s) + e  # Eq. 8
-            M = model.write(M, e, mask)  # Eqs. 9-10, at every hop: M_T
+        M, s = hops_by_hand(model, batch, 2)
     for b in range(3):
         forms = batch["doc_forms"][b, mask[b]]
         memory, W_o_s = M[b, mask[b]], model.W_o.weight @ s[b]
@@ -288,13 +296,7 @@ def test_multi_hop_composition(share):
     mask = batch["doc_mask"]
     with torch.no_grad():
         out = model(batch)
-        M = model.doc_encoder(model.embed(batch["doc_words"]), mask)
-        s = model.query_encoder.final_states(model.embed(batch["query_words"]),
-                                             batch["query_mask"])
-        for t in range(3):
-            e, _ = model.mscf[0 if share else t](M, s, mask)  # read
-            s = (model.W_s.weight @ s.unsqueeze(-1)).squeeze(-1) + e  # Eq. 8
-            M = model.write(M, e, mask)  # Eqs. 9-10
+        _, s = hops_by_hand(model, batch, 3)
         present = occurrences(batch["doc_forms"], mask, batch["cand_forms"]).any(-1)
     assert torch.allclose(out["candidate_log_probs"], eq11(model, s, batch, present),
                           atol=1e-5)
