@@ -249,11 +249,13 @@ def hops_by_hand(model: EAReader, batch: dict, hops: int) -> tuple[torch.Tensor,
     return M, s
 
 
-@pytest.mark.parametrize("answer", ["pointer_sum", "memory_mean"])
+@pytest.mark.parametrize("answer", ["pointer_sum", "memory_mean", "memory_mean_projected"])
 def test_memory_answers_read_the_final_memory_by_hand(answer):
     """Pointer-sum and Eq. 11 with rows read from the memory: token scores
     ``z_i = m_i^T W_o s_T`` over ``M_T`` (after the last hop's write), then each candidate's
-    attention summed (pointer-sum) or the mean memory of its occurrences scored (memory_mean)."""
+    attention summed (pointer-sum) or the mean memory of its occurrences scored (memory_mean);
+    memory_mean_projected scores ``(R m̄_c)^T P s_T``, Eq. 11's ``E P`` with ``E``'s row
+    replaced."""
     torch.manual_seed(0)
     model = reader(torch.randn(20, 6), hidden=4, subspaces=2, hops=2, answer=answer).eval()
     batch = tiny_batch()
@@ -263,15 +265,19 @@ def test_memory_answers_read_the_final_memory_by_hand(answer):
         M, s = hops_by_hand(model, batch, 2)
     for b in range(3):
         forms = batch["doc_forms"][b, mask[b]]
-        memory, W_o_s = M[b, mask[b]], model.W_o.weight @ s[b]
+        memory = M[b, mask[b]]
         present = [int(c) != 0 and bool((forms == c).any()) for c in batch["cand_forms"][b]]
         rows = [c for c, ok in zip(batch["cand_forms"][b], present) if ok]
-        if answer == "pointer_sum":  # Σ_{i: d_i = c} softmax(z)_i, renormalized
-            alpha = softmax(memory @ W_o_s)
+        if answer == "memory_mean_projected":  # softmax over the candidates of (R m̄_c)^T P s_T
+            rows_of_E = torch.stack([model.R.weight @ memory[forms == c].mean(0) for c in rows])
+            p = softmax(rows_of_E @ (model.P.weight @ s[b]))
+        elif answer == "pointer_sum":  # Σ_{i: d_i = c} softmax(z)_i, renormalized
+            alpha = softmax(memory @ (model.W_o.weight @ s[b]))
             mass = torch.stack([alpha[forms == c].sum() for c in rows])
             p = mass / mass.sum()
         else:  # softmax over the candidates of m̄_c^T W_o s_T
-            p = softmax(torch.stack([memory[forms == c].mean(0) @ W_o_s for c in rows]))
+            p = softmax(torch.stack([memory[forms == c].mean(0) @ model.W_o.weight @ s[b]
+                                     for c in rows]))
         got = out["candidate_log_probs"][b].exp()
         assert torch.allclose(got[torch.tensor(present)], p, atol=1e-5)
         assert (got[~torch.tensor(present)] == 0).all()
@@ -336,6 +342,7 @@ def test_candidate_probabilities_do_not_depend_on_padding():
     {"scoring": "bitwise", "hops": 2, "write": True},
     {"scoring": "bitwise", "hops": 2, "write": True, "answer": "pointer_sum"},
     {"scoring": "bitwise", "hops": 2, "write": True, "answer": "memory_mean"},
+    {"scoring": "bitwise", "hops": 2, "write": True, "answer": "memory_mean_projected"},
     {"scoring": "bitwise", "hops": 3, "write": True, "share_mscf": True},
     {"scoring": "bitwise", "hops": 1, "write": False, "projections": False},
     {"scoring": "additive", "hops": 1, "write": False},

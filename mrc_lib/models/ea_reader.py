@@ -45,6 +45,11 @@ in the document; the answer is the candidate that fills the blank.
   softmax over the candidates. Being linear in ``m̄_c``, the score is the mean of the token
   scores ``z_i`` over the occurrences: it differs from pointer-sum only in that it averages the
   occurrences' scores instead of summing their attention.
+* ``answer="memory_mean_projected"`` (not the paper's; it splits ``memory_mean``'s change from
+  Eq. 11 in two): Eq. 11's ``W_a x = E P x`` with candidate ``c``'s row of ``E`` replaced by
+  ``R m̄_c``, the mean memory of its occurrences mapped to the word vectors' width ``k``:
+  ``score_c = (R m̄_c)^T P s_T``. It reads the row where ``memory_mean`` does, through a map
+  of ``P``'s shape (``W_o = R^T P``, rank at most ``k``, instead of a full ``2h × 2h`` one).
 """
 
 from __future__ import annotations
@@ -58,8 +63,9 @@ from mrc_lib.nn import RNN, build_similarity, mask_logits, masked_softmax, zero_
 
 TOKENWISE = ("bilinear", "additive", "dot")
 SCORINGS = ("bitwise", *TOKENWISE, "multihead")
-ANSWERS = ("final_state", "final_state_free", "pointer_sum", "memory_mean")
-MEMORY_ANSWERS = ("pointer_sum", "memory_mean")  # read the final memory M_T
+ANSWERS = ("final_state", "final_state_free", "pointer_sum", "memory_mean",
+           "memory_mean_projected")
+MEMORY_ANSWERS = ("pointer_sum", "memory_mean", "memory_mean_projected")  # read M_T
 NORMALIZATIONS = ("vocabulary", "candidates")
 READOUTS = ("state", "context")
 
@@ -232,11 +238,13 @@ class EAReader(nn.Module):
         # Eq. 8; the Stanford AR (one hop, answer from o) has no state update.
         self.W_s = nn.Linear(dim, dim, bias=False) if readout == "state" or hops > 1 else None
         self.write = MemoryWrite(dim) if write else None
-        if answer == "final_state":
+        if answer in ("final_state", "memory_mean_projected"):
             self.P = nn.Linear(dim, vectors.shape[1], bias=False)  # Eq. 11: W_a = E P
-        elif answer == "final_state_free":
+        if answer == "memory_mean_projected":
+            self.R = nn.Linear(dim, vectors.shape[1], bias=False)  # E's row c -> R m̄_c
+        if answer == "final_state_free":
             self.W_a = nn.Linear(dim, len(vectors) - 1, bias=False)  # Eq. 11: word w is row w - 1
-        else:
+        if answer in ("pointer_sum", "memory_mean"):
             self.W_o = nn.Linear(dim, dim, bias=False)  # z_i = m_i^T W_o s_T
 
     def read(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
@@ -281,12 +289,20 @@ class EAReader(nn.Module):
             elif self.answer == "final_state_free":
                 logits = (self.W_a.weight[columns] @ x.unsqueeze(-1)).squeeze(-1)  # W_a x
             else:
-                z = (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)  # [B, m]
+                z = self.token_scores(M, x)  # [B, m]
                 logits = (pointer_sum(z, occurs) if self.answer == "pointer_sum"
                           else occurrence_mean(z, occurs))
             log_p = restrict(logits, present).log_softmax(-1)
         return {"candidate_log_probs": log_p,
                 "attention": torch.stack([A.mean(dim=-1) for A in attention], dim=1)}
+
+    def token_scores(self, M: Tensor, x: Tensor) -> Tensor:
+        """The memory answers' token scores ``[B, m]``: ``z_i = m_i^T W_o x``, or
+        ``(R m_i)^T P x`` (``memory_mean_projected``; linear in ``m_i``, so their mean over
+        ``c``'s occurrences is ``(R m̄_c)^T P x``)."""
+        if self.answer == "memory_mean_projected":
+            return (self.R(M) @ self.P(x).unsqueeze(-1)).squeeze(-1)
+        return (M @ self.W_o(x).unsqueeze(-1)).squeeze(-1)
 
     def vocabulary_scores(self, x: Tensor) -> Tensor:
         """Eq. 11's ``W_a x`` for every word but padding, ``[B, V-1]``: ``E P x`` (tied) or a
