@@ -397,7 +397,9 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
              "epoch's scores, *Best dev* and *Best-epoch test* those of the epoch with the best "
              "dev score, which a profile that selects the model on dev (EA Reader's) reports.",
              "**The queue.** Runs per chapter and their state; the minutes left are the queue "
-             "file's estimates for one H100, less what partial runs have done.",
+             "file's estimates for one H100 (lifted where a reader's headline run was below "
+             "the time its schedule takes at the bring-up's speed: `python -m mrc_lib queue "
+             "estimates`), less what partial runs have done.",
              markdown_table(["Chapter", "Runs", "Done", "Partial", "Missing",
                              "Minutes left (est.)"], progress)]
     speeds = speed_rows(Path(results_dir or BENCHMARK_RESULTS))

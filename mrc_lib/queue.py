@@ -9,6 +9,7 @@
     python -m mrc_lib queue unpack --from DEST... --out DIR   # the bundles -> DIR
     python -m mrc_lib queue import --out DIR                  # DIR's records -> book/runs
     python -m mrc_lib queue verify                            # chapters build these configs?
+    python -m mrc_lib queue estimates [--write]               # estimates against the bring-up
     python -m mrc_lib queue rehearse --to DIR                 # every chapter at full, stand-ins
 
 The file lists, per chapter, every run the full book needs (its header documents the keys);
@@ -39,7 +40,9 @@ import functools
 import hashlib
 import io
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +66,7 @@ from mrc_lib.utils import (
 QUEUE_FILE = Path(__file__).parent / "queue.yaml"
 PACKING_RESULTS = records.ROOT / "benchmarks" / "results"  # benchmarks/gpu_packing.py's output
 PLAN = PACKING_RESULTS / "session_plan.json"  # benchmarks/gpu_session.py plan's output
+ESTIMATES = PACKING_RESULTS / "queue_estimates.json"  # the last `queue estimates --write`
 EXTRA_SEED_PRIORITY = 3  # seeds after an entry's first are extra seeds
 PIECE_BYTES = 15 * 2**20
 PACK_BUDGET = 60 * 2**20  # what may come back from the GPU machine per command
@@ -204,6 +208,114 @@ def select(jobs: list[Job], patterns: list[str] | None) -> list[Job]:
     """The jobs whose ``<chapter>/<run>`` matches one of the shell ``patterns`` (all jobs
     without patterns); a pattern that matches no job is an error, as a typo would be."""
     return select_keys(jobs, patterns, "run of the queue")
+
+
+# --- estimates against the bring-up ------------------------------------------------------------
+
+# Each SQuAD training set's questions (their prepared caches' meta.json): SQuAD v1.1 train, and
+# the offline SQuAD 2.0 set (mrc_lib.data.squad2: v1.1 train, an unanswerable question for
+# every other one, and the adapt half of v2.0 dev).
+TRAIN_QUESTIONS = {"squad-v1.1": 87_599, "squad-v2.0": 137_335}
+EVALUATION = 1.1  # the evaluations after each epoch, against training alone
+
+
+def bringup_speeds(folder: Path = PACKING_RESULTS, chip: str = "GH100") -> dict[str, float]:
+    """Each reader's seconds per SQuAD v1.1 train epoch (400 context tokens, eager, alone on
+    the GPU) in the bring-ups (``gpu_<device>.json``, benchmarks/gpu_bringup.py) of ``chip``'s
+    GPUs that measured the readers' code and config of today; the slowest GPU's where several
+    did."""
+    from mrc_lib import bench
+
+    speeds: dict[str, float] = {}
+    for device in CHIPS[chip]:
+        path = folder / f"gpu_{slug(device)}.json"
+        models = json.loads(path.read_text())["models"] if path.is_file() else {}
+        for name, entry in models.items():
+            if entry.get("epoch_seconds") and bench.same_code(entry) and \
+                    entry.get("config_hash") == bench.reader_hash(name):
+                speeds[name] = max(speeds.get(name, 0.0), entry["epoch_seconds"])
+    return speeds
+
+
+def bringup_minutes(job: Job, speeds: dict[str, float]) -> float | None:
+    """The minutes of ``job``'s schedule at the speed the bring-up measured for its reader's
+    default architecture (``speeds``, :func:`bringup_speeds`): its epochs of its training set
+    at the measured seconds per SQuAD v1.1 epoch, plus evaluations; ``None`` where the
+    bring-up has no speed for the reader or the data is not SQuAD. A floor more than an
+    estimate: the run's overrides and the sharing of the GPU by packed runs are not in it."""
+    cfg = job.config()
+    if cfg.model not in speeds or cfg.dataset not in TRAIN_QUESTIONS:
+        return None
+    epochs = cfg.epochs * TRAIN_QUESTIONS[cfg.dataset] / TRAIN_QUESTIONS["squad-v1.1"]
+    return EVALUATION * epochs * speeds[cfg.model] / 60
+
+
+def families(jobs: list[Job]) -> dict[tuple[str, str], list[Entry]]:
+    """The queue's entries by reader and dataset, each family in file order."""
+    found: dict[tuple[str, str], list[Entry]] = {}
+    for job in jobs:
+        if job.seed == job.entry.seeds[0]:
+            cfg = job.config()
+            found.setdefault((cfg.model, cfg.dataset), []).append(job.entry)
+    return found
+
+
+def headline(family: list[Entry]) -> Entry:
+    """A family's headline run: its first entry of the highest priority."""
+    return min(family, key=lambda e: e.priority)
+
+
+def calibration(jobs: list[Job], speeds: dict[str, float]) -> dict[tuple[str, str], dict]:
+    """For each family whose reader the bring-up measured on SQuAD: its headline run, that
+    run's estimate and its bring-up floor (:func:`bringup_minutes`), and the factor that
+    lifts the family's estimates so the headline's meets its floor (1 where it does)."""
+    out = {}
+    for key, family in families(jobs).items():
+        head = headline(family)
+        floor = bringup_minutes(Job(head, head.seeds[0], head.priority), speeds)
+        if floor is not None:
+            out[key] = {"headline": f"{head.chapter}/{head.run}", "minutes": head.minutes,
+                        "floor": round(floor, 1), "factor": max(1.0, floor / head.minutes)}
+    return out
+
+
+def raise_estimates(path: Path, jobs: list[Job], speeds: dict[str, float]) -> list[str]:
+    """Rewrite the queue file at ``path`` so that no family's headline estimate is below its
+    bring-up floor (:func:`calibration`): every entry of such a family has its ``minutes``
+    multiplied by the family's factor, rounded up; the rest of the file is left as it is.
+    Returns one line per entry changed."""
+    factors = {key: c["factor"] for key, c in calibration(jobs, speeds).items()
+               if c["factor"] > 1}
+    lifted = {(e.chapter, e.run): math.ceil(e.minutes * factors[key])
+              for key, family in families(jobs).items() if key in factors for e in family}
+    text, changed, chapter = path.read_text(encoding="utf-8"), [], None
+    starts = [m for m in re.finditer(r'^(\S+):$|^  - \{run: "?([^",]+)"?', text, re.M)]
+    pieces, at = [], 0
+    for k, m in enumerate(starts):
+        if m.group(1):
+            chapter = m.group(1)
+            continue
+        new = lifted.get((chapter, m.group(2)))
+        if new is None:
+            continue
+        end = starts[k + 1].start() if k + 1 < len(starts) else len(text)
+        minutes = re.compile(r"minutes: ([0-9.]+)").search(text, m.start(), end)
+        pieces += [text[at:minutes.start(1)], str(new)]
+        at = minutes.end(1)
+        changed.append(f"{chapter}/{m.group(2)}: {minutes.group(1)} -> {new} min")
+    if changed:
+        atomic_write_bytes(path, ("".join(pieces) + text[at:]).encode("utf-8"))
+    return changed
+
+
+def estimates_table(jobs: list[Job], speeds: dict[str, float]) -> str:
+    """``queue estimates``: each family's headline estimate against its bring-up floor."""
+    lines = [f"{'reader':18} {'dataset':11} {'s/epoch':>7} {'min':>5} {'floor':>6}  headline"]
+    for (model, dataset), c in calibration(jobs, speeds).items():
+        lines.append(f"{model:18} {dataset:11} {speeds[model]:7.1f} {c['minutes']:5g} "
+                     f"{c['floor']:6.1f}  {c['headline']}" +
+                     (f"  (below: x{c['factor']:.2f})" if c["factor"] > 1 else ""))
+    return "\n".join(lines)
 
 
 # --- where each job stands ---------------------------------------------------------------------
@@ -852,7 +964,7 @@ def verify(jobs: list[Job], runs: Path) -> tuple[list[str], list[str], list[str]
 
 
 def queue_cli(args) -> None:
-    """``python -m mrc_lib queue [run|work|pack|unpack|import|verify]``."""
+    """``python -m mrc_lib queue [run|work|pack|unpack|import|verify|estimates]``."""
     action = args.action or "status"
     out = Path(args.out) if args.out else None
     if action in ("run", "work", "pack", "unpack", "import") and out is None:
@@ -878,6 +990,21 @@ def queue_cli(args) -> None:
         print("\n".join(map(str, import_records(out))))
         return
     jobs = select(load_queue(args.file), args.only)
+    if action == "estimates":
+        speeds = bringup_speeds()
+        if args.write:
+            before = calibration(jobs, speeds)
+            if changed := raise_estimates(Path(args.file), jobs, speeds):
+                print("\n".join(changed))
+                atomic_write_json(ESTIMATES, {
+                    "what": "queue estimates --write: each reader's speed (s per SQuAD v1.1 "
+                            "epoch, bring-ups), each family's headline estimate and floor "
+                            "before, and the entries it lifted",
+                    "speeds": speeds, "changed": changed,
+                    "before": {f"{m} {d}": c for (m, d), c in before.items()}})
+            jobs = select(load_queue(args.file), args.only)
+        print(estimates_table(jobs, speeds))
+        return
     if action == "prepare":
         prepare(jobs, args.profile)
         return
@@ -929,7 +1056,8 @@ def queue_cli(args) -> None:
 def add_parser(sub) -> None:
     s = sub.add_parser("queue", help="the full-profile runs: status, packed runner, transfer")
     s.add_argument("action", nargs="?", choices=["status", "prepare", "run", "work", "pack",
-                                                 "unpack", "import", "verify", "rehearse"])
+                                                 "unpack", "import", "verify", "rehearse",
+                                                 "estimates"])
     s.add_argument("--file", default=str(QUEUE_FILE), help="the queue file")
     s.add_argument("--out", default=None, help="the runner's folder (runs, records); verify: "
                    "the smoke run folder (default runs)")
@@ -953,6 +1081,9 @@ def add_parser(sub) -> None:
                    "only if it is longer than a command and its checkpoint still fits it")
     s.add_argument("--reserve", type=float, default=60.0,
                    help="seconds before the end at which trainers checkpoint and stop")
+    s.add_argument("--write", action="store_true",
+                   help="estimates: raise each family's minutes whose headline is below the "
+                   "bring-up's floor, in the queue file")
     s.add_argument("--profile", default="full", help=argparse.SUPPRESS)
     s.add_argument("--job", default=None, help=argparse.SUPPRESS)
     s.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)

@@ -561,3 +561,53 @@ def test_with_a_carry_over_a_run_that_will_be_cut_starts_only_if_its_checkpoint_
     assert lines == ["not started tq/long2: ~20 min, too long for what was left, and its "
                      "10.0 MiB checkpoint would not fit the 5 MiB carried on"]
 
+
+
+def test_bringup_minutes_are_the_schedule_at_the_measured_speed_by_hand():
+    """Eq.: 1.1 x epochs x (training questions / SQuAD v1.1's) x seconds per v1.1 epoch / 60."""
+    jobs = {j.key: j for j in queue.load_queue()}
+    qanet = jobs["04_aba/qanet_seed0"]  # 30 epochs of the offline SQuAD 2.0 set
+    assert queue.bringup_minutes(qanet, {"qanet_na": 100.0}) == pytest.approx(
+        1.1 * 30 * (137_335 / 87_599) * 100.0 / 60)
+    assert queue.bringup_minutes(jobs["01_bidaf_qanet/bidaf"], {"bidaf": 50.0}) == \
+        pytest.approx(1.1 * 12 * 50.0 / 60)
+    assert queue.bringup_minutes(qanet, {"bidaf": 50.0}) is None  # not measured
+    ea = next(j for k, j in jobs.items() if k.startswith("05_ea_reader/"))
+    assert queue.bringup_minutes(ea, {"ea_reader": 50.0}) is None  # not SQuAD
+
+
+QUEUE_TEXT = """# a comment: minutes: 5
+ch:
+  # the headline first
+  - {run: "a", model: bidaf, priority: 2, minutes: 10, schedule: "s",
+     overrides: ["epochs=2"]}
+  - {run: b, model: bidaf, priority: 1, minutes: 3,
+     schedule: "s", overrides: ["epochs=2"]}
+  - {run: "c_seed{seed}", model: qanet, priority: 1, seeds: [0, 1], minutes: 7, schedule: "s"}
+"""
+
+
+def test_estimates_below_the_bringup_are_lifted_family_by_family(tmp_path, capsys):
+    path = tmp_path / "queue.yaml"
+    path.write_text(QUEUE_TEXT)
+    jobs = queue.load_queue(path)
+    # bidaf's headline is b (priority 1): 2 epochs at 90 s, plus 10%: 3.3 minutes, over its 3.
+    speeds = {"bidaf": 90.0, "qanet": 1.0}
+    [bidaf] = [c for (model, _), c in queue.calibration(jobs, speeds).items() if model == "bidaf"]
+    assert bidaf["headline"] == "ch/b" and bidaf["factor"] == pytest.approx(3.3 / 3)
+    changed = queue.raise_estimates(path, jobs, speeds)
+    assert changed == ["ch/a: 10 -> 11 min", "ch/b: 3 -> 4 min"]  # x1.1, rounded up
+    assert path.read_text() == QUEUE_TEXT.replace("minutes: 10", "minutes: 11").replace(
+        "minutes: 3,", "minutes: 4,")  # qanet's family, at its floor, and the rest unchanged
+    assert queue.raise_estimates(path, queue.load_queue(path), speeds) == []  # idempotent
+    assert main(["queue", "estimates", "--file", str(path)]) in (None, 0)
+    assert "ch/b" in capsys.readouterr().out
+
+
+def test_the_queue_estimates_are_not_below_the_bringups():
+    """After a GPU session measures a reader slower, `python -m mrc_lib queue estimates
+    --write` lifts its runs' estimates (then `benchmarks/gpu_session.py plan`)."""
+    below = {key: c for key, c in queue.calibration(queue.load_queue(),
+                                                    queue.bringup_speeds()).items()
+             if c["factor"] > 1}
+    assert not below, f"run `python -m mrc_lib queue estimates --write`: {below}"
