@@ -17,8 +17,10 @@ Our reading of what the paper leaves open (the chapter names each alternative)
 -----------------------------------------------------------------------------
 1. *HOS and λ.* ``[·; ·]`` concatenates features, as in ``I``. ``λ`` has one entry per feature
    of ``HOS``, in one block ("column") per granularity: with granularities of equal width ``d``
-   it is a ``d × (n + 2)`` matrix, as the paper writes it. It multiplies ``HOS`` element-wise at
-   every word (the same ``λ`` at every position).
+   it is a ``d × (n + 2)`` matrix (the paper gives no shape, only "the first column" and "the
+   remaining columns"). It multiplies ``HOS`` element-wise at every word (the same ``λ`` at
+   every position). Eq. 3 writes ``λ^p`` and ``λ^q``, the sentence after it one ``λ``: we
+   train one per side.
 2. *Order and start.* Eqs. 1-2 list ``E`` first, so the first column of ``λ`` (initialised to
    ones) is ``E``'s: at initialisation ``ĤOS = [E; 0; …; 0]`` (``hos_order="paper"``). The
    alternative, ``hos_order="newest_first"`` (``[Cⁿ; …; C¹; E; A]``), makes the kept column
