@@ -10,8 +10,10 @@ token level, which full self-attention over thousands of tokens cannot afford; D
    highway network, projected to ``D = 128``, sinusoidal positions (counted from the start of
    each passage);
 2. encoding: one DynSA block shared by the question and each passage;
-3. alignment (Sec. 3.2), as in QANet: trilinear similarity, context-to-query and DCN
-   query-to-context attention ``[c; a; c⊙a; c⊙b]``, projected to ``D``, then a DynSA block;
+3. alignment (Sec. 3.2), as in QANet (Yu et al., 2018), which the paper follows: trilinear
+   similarity, context-to-query and query-to-context attention ``[c; a; c⊙a; c⊙b]``, projected
+   to ``D``, then a DynSA block (the paper credits query-to-context to BiDAF; we compute it in
+   QANet's DCN form, :class:`mrc_lib.nn.CoAttention`);
 4. cross-passage attention (Sec. 3.3): the passages concatenated in rank order, plus a learned
    embedding of each token's passage rank, through ``N = 4`` DynSA blocks: ``S``;
 5. prediction (Sec. 3.4.1), HAS-style (Pang et al., 2019) as the paper adapts it: start and
@@ -19,8 +21,10 @@ token level, which full self-attention over thousands of tokens cannot afford; D
    start distribution, and a DynSA block stands where HAS has an RNN; the loss sums over every
    occurrence of the answer in every passage (below).
 
-The paper gives no equations for its prediction layer and points to Pang et al. (2019), which
-is not in this book's collection. Our reading, stated as ours:
+The paper's only equation for its prediction layer is the form of the distributions, "over all
+tokens as in Equation 7" (a linear projection of ``S`` and a softmax over all ``L`` tokens); the
+rest it defers to Pang et al. (2019), which is not in this book's collection. Our reading,
+stated as ours:
 ``p^s = softmax(w_sᵀ S)``; ``s̄ = Σ_i p^s_i S_i`` (the start-attended summary a pointer
 network's RNN receives); ``S^e = DynSA(F^E([S; s̄]))`` with ``F^E`` linear ``2D → D``;
 ``p^e = softmax(w_eᵀ S^e)``; loss ``−log Σ_{(i, j) ∈ T} p^s_i p^e_j`` over the set ``T`` of
