@@ -82,8 +82,9 @@ class BAC(nn.Module):
 
     ``E = F(P) F(Q)ᵀ / √d`` (Eq. 1); ``A = Softmax(Eᵀ) P``, ``B = Softmax(E) Q`` (Eq. 2);
     ``g^p_i = [G₁([bᵢ; pᵢ]); G₂(bᵢ − pᵢ); G₃(bᵢ ⊙ pᵢ)]`` and ``g^q_j`` the same with ``aⱼ, qⱼ``
-    (Eq. 3). Our reading: the three compressors ``G`` are shared by the two directions (the paper
-    says the query side is built "in an identical fashion"). Dropout acts on the input of ``F``
+    (Eq. 3). Our readings: one compressor per comparison (Eq. 3 writes one ``G``, but ``[bᵢ; pᵢ]``
+    is twice as wide as the others), the three shared by the two directions (the paper says the
+    query side is built "in an identical fashion"). Dropout acts on the input of ``F``
     and of each ``G``.
     """
 

@@ -4,7 +4,8 @@ the enhancements DecaProp's authors gave their baseline (Tay et al., NeurIPS 201
 The layers, each commented below with its equations:
 
 1. input: word vectors, a character BiRNN read to its final states (R-NET Sec. 3.1) and, as in
-   DecaProp's input encoder (Sec. 3.1), a binary match feature and a normalized frequency;
+   DecaProp's input encoder (Sec. 3.1), a binary match feature and a normalized frequency (ours:
+   footnote 10 does not list them among the enhancements);
 2. encoder: a stacked BiRNN shared by passage and question; *enhancement*: the outputs of all its
    layers are concatenated (shortcut connections after the encoder);
 3. gated attention-based recurrent network (R-NET Sec. 3.2): each passage word attends to the
