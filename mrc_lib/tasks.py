@@ -5,7 +5,7 @@ objective, its decoding and its official metric. :mod:`mrc_lib.train` trains any
 reader on any task: ``TrainConfig.task``, by default the dataset's own.
 
 * ``span``: SQuAD v1.1 (:class:`~mrc_lib.data.Split` batches). Objective: the span NLL (BiDAF
-  Eq. 6). Decoding: the best span. Metric: the official v1.1 EM and F1.
+  Eq. 5). Decoding: the best span. Metric: the official v1.1 EM and F1.
 * ``span_na``: the SQuAD 2.0 protocol (:mod:`mrc_lib.data.squad2`). Objective: the span NLL on
   the answerable questions plus the binary cross-entropy of ``σ(na_logits)``. Decoding: the best
   span and P(no answer). Metric: the official v2.0 scores.
@@ -106,7 +106,7 @@ class Span(Task):
                                  pipeline=cfg.pipeline)
 
     def objective(self, out: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
-        """The span negative log-likelihood (BiDAF Eq. 6: the two ends summed), averaged over
+        """The span negative log-likelihood (BiDAF Eq. 5: the two ends summed), averaged over
         the answerable examples: an unanswerable one (or one whose answer the context limit cut
         off) gets the target -100, which cross-entropy ignores in its mean."""
         has = batch["has_answer"]

@@ -133,17 +133,20 @@ def build_similarity(
 
 
 def c2q_attention(S: Tensor, q_mask: Tensor) -> Tensor:
-    """Context-to-query attention weights ``a_t = softmax(S_t:)`` (BiDAF Eq. 2): ``[B, Lc, Lq]``."""
+    """Context-to-query attention weights ``a_t = softmax(S_t:)`` (BiDAF, between Eqs. 1 and
+    2): ``[B, Lc, Lq]``."""
     return masked_softmax(S, q_mask.unsqueeze(1), dim=-1)
 
 
 def context_to_query(S: Tensor, q: Tensor, q_mask: Tensor) -> Tensor:
-    """Attended query vectors ``Ũ_:t = Σ_j a_tj U_:j`` (BiDAF Eq. 2): ``[B, Lc, d]``."""
+    """Attended query vectors ``Ũ_:t = Σ_j a_tj U_:j`` (BiDAF, between Eqs. 1 and 2):
+    ``[B, Lc, d]``."""
     return c2q_attention(S, q_mask) @ q
 
 
 def query_to_context(S: Tensor, c: Tensor, c_mask: Tensor, q_mask: Tensor) -> Tensor:
-    """BiDAF query-to-context attention (Eq. 3), tiled over the context: ``[B, Lc, d]``.
+    """BiDAF query-to-context attention (between Eqs. 1 and 2), tiled over the context:
+    ``[B, Lc, d]``.
 
     ``b = softmax_t(max_j S_tj)`` and ``h̃ = Σ_t b_t H_:t``; the one vector ``h̃`` is repeated
     ``Lc`` times to give ``H̃``.
@@ -168,7 +171,7 @@ def query_to_context_dcn(S: Tensor, c: Tensor, c_mask: Tensor, q_mask: Tensor) -
 class BiDAFAttention(nn.Module):
     """BiDAF's attention flow layer (Seo et al. 2017 Sec. 2.4).
 
-    Returns ``G = [H; Ũ; H ⊙ Ũ; H ⊙ H̃]`` (Eq. 4 with the simple ``β``), ``[B, Lc, 4d]``, zero at
+    Returns ``G = [H; Ũ; H ⊙ Ũ; H ⊙ H̃]`` (Eq. 2 with the simple ``β``), ``[B, Lc, 4d]``, zero at
     padded context positions, and the context-to-query attention map ``a`` (``[B, Lc, Lq]``,
     zero rows at padded context positions).
     """
@@ -186,9 +189,9 @@ class BiDAFAttention(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         S = self.similarity(c, q)  # Eq. 1
         attn = zero_padding(c2q_attention(S, q_mask), c_mask)
-        u_tilde = attn @ q  # Eq. 2
-        h_tilde = self.q2c(S, c, c_mask, q_mask)  # Eq. 3
-        G = torch.cat([c, u_tilde, c * u_tilde, c * h_tilde], dim=-1)  # Eq. 4
+        u_tilde = attn @ q  # context-to-query
+        h_tilde = self.q2c(S, c, c_mask, q_mask)  # query-to-context
+        G = torch.cat([c, u_tilde, c * u_tilde, c * h_tilde], dim=-1)  # Eq. 2
         return zero_padding(G, c_mask), attn
 
 

@@ -6,7 +6,7 @@ from torch import Tensor
 
 
 def span_loss(start_logits: Tensor, end_logits: Tensor, y1: Tensor, y2: Tensor) -> Tensor:
-    """BiDAF Eq. 6: ``−(1/N) Σ_i [log p¹(y¹_i) + log p²(y²_i)]``, the two ends' negative
+    """BiDAF Eq. 5: ``−(1/N) Σ_i [log p¹(y¹_i) + log p²(y²_i)]``, the two ends' negative
     log-likelihoods summed and averaged over the batch (targets ``-100`` are left out of the
     mean). Logits are ``[B, L]`` and already masked. The sum, not the mean of the two, is what
     the papers train: it sets the gradient's scale, which gradient clipping and Adadelta (whose
