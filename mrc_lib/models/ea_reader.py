@@ -207,11 +207,11 @@ class EAReader(nn.Module):
     answers only, the memory answers being over the candidates by construction);
     ``fusion=False`` with ``subspaces=1, scoring="bilinear", hops=1, readout="context"`` is the
     Stanford AR.
-    Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1 on each BiGRU's input (the
-    paper cites Srivastava et al.'s dropout: a new mask at every position); ``locked_dropout``,
-    one mask per sequence, is a departure. Built over the cloze task's
-    ``vocab`` (its ``word_vectors``, :func:`mrc_lib.data.choice.load_cloze_data`); trained and
-    scored by the ``cloze`` task of :mod:`mrc_lib.tasks`."""
+    Defaults: the paper's ``h = 240``, ``L = 6``, GRU dropout 0.1 (the paper gives only the
+    rate, citing Srivastava et al.; our reading: on each BiGRU's input, a new mask at every
+    position); ``locked_dropout``, one mask per sequence, is a departure. Built over the cloze
+    task's ``vocab`` (its ``word_vectors``, :func:`mrc_lib.data.choice.load_cloze_data`);
+    trained and scored by the ``cloze`` task of :mod:`mrc_lib.tasks`."""
 
     def __init__(self, vocab, *, hidden: int = 240, subspaces: int = 6,
                  hops: int = 2, write: bool = True, scoring: str = "bitwise",
