@@ -180,7 +180,8 @@ def claims(records: list[dict]) -> list[list]:
                    for _, base, with_aba in bases]
     return [
         ["DecaProp beats R-NET (SQuAD v1.1 dev F1)",
-         "Tay et al. (2018), Table 6: DecaProp 81.4 F1, R-NET (their re-implementation) 79.6",
+         "Tay et al. (2018), Table 6 (SQuAD dev; v1.1 by our reading, the version is not "
+         "printed): DecaProp 81.4 F1, R-NET (their re-implementation) 79.6",
          f"DecaProp {fmt(score(records, decaprop))}, R-NET {fmt(score(records, rnet))}",
          verdict_better(score(records, decaprop), score(records, rnet))],
         ["PhaseCond beats the Iterative Aligner (SQuAD v1.1 dev F1, mean of runs)",
@@ -197,7 +198,9 @@ def claims(records: list[dict]) -> list[list]:
                    in zip(bases, base_scores)),
          verdict_all_better(base_scores)],
         ["DynSAN trains faster than full self-attention at similar accuracy (SQuAD v1.1; ours "
-         "on dev)",
+         "on dev; our full SAN is QANet's encoder block with torch's fused attention, chapter "
+         "02's table4_fullsan run, where chapter 02 also sets the paper's row beside an "
+         "attention that materializes L × L)",
          "Zhuang & Wang (2019), Table 4 (SQuAD 1.1, split not stated): training speed-up over "
          "Bi-LSTM DynSAN 4.3x, Full SAN 3.5x; EM/F1 69.9/79.5 and 70.6/80.1",
          f"examples/s DynSAN {fmt(speed(records, dynsan))}, full SAN "
