@@ -184,7 +184,12 @@ def start(profile: str = "auto", seed: int = 0, data_dir: str = "", device: str 
     ``out_dir``'s parent (``runs/<chapter>/<profile>``); ``retrain`` is also set by
     ``MRC_RETRAIN=1`` (``reproduce --retrain``), ``records_only`` by ``MRC_RECORDS_ONLY=1``
     (``reproduce --records-only``). ``banner=False``: a chapter whose work is the
-    same at every profile shows no smoke banner (it labels its tables with ``scale``)."""
+    same at every profile shows no smoke banner (it labels its tables with ``scale``).
+    pandas then shows table cells whole: its default cuts them at 50 characters, which would
+    hide a claim or a paper's numbers on the rendered page."""
+    import pandas as pd
+
+    pd.set_option("display.max_colwidth", None)
     if data_dir:
         os.environ["MRC_DATA_DIR"] = str(Path(data_dir).resolve())
     chapter = chapter or os.environ.get("MRC_CHAPTER") or Path(out_dir).resolve().parent.name

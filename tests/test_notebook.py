@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from mrc_lib.errors import UserError  # noqa: E402
-from mrc_lib.notebook import Run  # noqa: E402
+from mrc_lib.notebook import Run, start  # noqa: E402
 
 
 def make_run(tmp_path, profile):
@@ -54,3 +54,12 @@ def test_tables_and_figures_of_full_data_are_labelled_by_it(tmp_path):
     assert results["figure_scales"] == {"figure_lengths": "full SQuAD v1.1"}
     assert results["tables"]["table_files"]["scale"] == "full SQuAD v1.1 dev"
     plt.close(fig)
+
+
+def test_start_shows_table_cells_whole(tmp_path):
+    import pandas as pd
+
+    pd.reset_option("display.max_colwidth")
+    start("smoke", out_dir=str(tmp_path / "runs" / "ch" / "smoke"), banner=False)
+    assert pd.get_option("display.max_colwidth") is None
+    assert "x" * 80 in pd.DataFrame([["x" * 80]]).to_html()
