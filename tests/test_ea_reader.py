@@ -453,9 +453,10 @@ def test_trainer_on_the_cloze_task_resumes_exactly(tmp_path):
         engine.train(cloze_config(lr=0.1), tmp_path / "a", resume=True, data=data)
 
 
-def test_gru_dropout_is_the_papers_unless_locked():
-    """The paper's GRU dropout 0.1 cites Srivastava et al.: a new mask at every position of
-    each BiGRU's input; ``locked_dropout`` (a departure) shares one mask over a sequence."""
+def test_gru_dropout_rate_is_the_papers_masks_per_position_unless_locked():
+    """The paper gives GRU dropout's rate, 0.1, citing Srivastava et al.; where and how the
+    masks are drawn is our reading: a new mask at every position of each BiGRU's input.
+    ``locked_dropout`` (a departure) shares one mask over a sequence."""
     from mrc_lib.nn import LockedDropout
 
     vectors = np.random.default_rng(0).normal(size=(20, 6)).astype(np.float32)
