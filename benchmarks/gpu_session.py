@@ -338,14 +338,26 @@ def earlier_error(s: Session, file: str) -> bool:
         m.get("error") not in (None, CUT) for m in found.get("models", {}).values())
 
 
+FP32_FILE = "gpu_{device}_fp32.json"
+
+
 def fp32_skip(s: Session) -> str | None:
-    return chip_skip(s, "gpu_{device}_fp32.json")
+    """On file for the chip, every reader of today's code beside its profile's precision
+    (``bf16_speed``, measured in the same process); else measured again: a full-precision rate
+    says which precision is faster only beside the other precision's of the same machine."""
+    from mrc_lib.bench import same_code
+
+    found = s.on_file(FP32_FILE, chip=True)
+    stale = found is not None and any(
+        not same_code(m) or "bf16_speed" not in m
+        for m in found.get("models", {}).values() if "error" not in m)
+    return None if stale else chip_skip(s, FP32_FILE)
 
 
 def fp32_argv(s: Session, budget: float) -> list[str]:
     tiny = ["--device", "cpu", "--tiny", "--models", "qanet"] if s.tiny else []
     return [PY, "benchmarks/gpu_bringup.py", "--fp32", *tiny, "--resume",
-            "--out", str(s.resumed("gpu_{device}_fp32.json"))]
+            "--out", str(s.resumed(FP32_FILE))]
 
 
 GRAPHS_FILE = "gpu_{device}_cuda_graphs.json"

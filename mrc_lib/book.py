@@ -292,18 +292,30 @@ VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_red
             "_compile_whole_cudagraphs", "_cuda_graphs")
 
 
-def variant_cell(entry: dict, stale: bool = False):
+def variant_cell(entry: dict, stale: bool = False, revision: int | None = None):
     """A variant's seconds per SQuAD epoch; for a reader whose compilation its step's time
     cut, how long it had compiled; for one whose step raised an error, that it failed, or,
     in a ``stale`` file (a recorded-step file of an earlier check,
-    :func:`mrc_lib.bench.same_check`), that it is to be measured again."""
+    :func:`mrc_lib.bench.same_check`), that it is to be measured again. A full-precision
+    entry gives its profile's precision measured beside it (``bf16_speed``, the same process),
+    and an entry of another revision of the readers' code than ``revision`` (the eager
+    entry's, :data:`mrc_lib.bench.SPEED_REVISION`) names its own: another session measured
+    it, on another machine."""
     from mrc_lib.bench import CUT
 
     if entry.get("error") == CUT and "seconds" in entry:
         return f"cut after {entry['seconds']:.0f} s"
     if entry.get("error") and entry["error"] != CUT:
         return "measure again" if stale else "failed"
-    return entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
+    seconds = entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
+    notes = []
+    if seconds is not None and "bf16_speed" in entry:
+        notes.append("bf16 " + format_cell(entry["bf16_speed"].get(SPEED_TOKENS, {})
+                                            .get("epoch_seconds")))
+    if seconds is not None and revision is not None and \
+            entry.get("speed_revision", 1) != revision:
+        notes.append(f"rev. {entry.get('speed_revision', 1)}")
+    return f"{format_cell(seconds)} ({', '.join(notes)})" if notes else seconds
 
 
 def speed_rows(results_dir: Path) -> list[list]:
@@ -334,9 +346,11 @@ def speed_rows(results_dir: Path) -> list[list]:
                 today[name] = reader_hash(name)
             config = ("not recorded" if "config_hash" not in m else
                       "current" if m["config_hash"] == today[name] else "earlier")
+            revision = m.get("speed_revision", 1)
             rows.append([name, eager["device"], m["batch_size"], "yes" if m["bf16"] else "no",
                          variant_cell(m),
-                         *(variant_cell(mode.get(name, {}), stale) for mode, stale in modes),
+                         *(variant_cell(mode.get(name, {}), stale, revision)
+                           for mode, stale in modes),
                          m["speed"].get(SPEED_TOKENS, {}).get("train_examples_per_s"),
                          m["peak_memory_bytes"] / 2**30, config])
     return rows
@@ -423,8 +437,15 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "*measure again*, that an earlier revision of the recorded step's check "
                   "raised it (its eager step ran in eval mode), and the next GPU session "
                   "measures the reader again (`AGREEMENT_REVISION` in `mrc_lib/bench.py`)."
-                  " Issue 13's targets for one H100: BiDAF 60 s, QANet 45 s. *Config* says "
-                  "whether the reader is still configured as it was measured.",
+                  " In the *fp32* column, *bf16* gives the reader in its profile's precision, "
+                  "measured just before in the same process. A figure marked *rev. N* was "
+                  "measured with revision N of the readers' code, not the revision of the "
+                  "row's eager figure (`SPEED_REVISION` in `mrc_lib/bench.py`), so by another "
+                  "session on another machine: one reader's eager rate differs between "
+                  "sessions' machines by more than between its precisions, so set such a "
+                  "figure only beside figures of its own session (the file's git history "
+                  "holds them). Issue 13's targets for one H100: BiDAF 60 s, QANet 45 s. "
+                  "*Config* says whether the reader is still configured as it was measured.",
                   markdown_table(["Reader", "Device", "Batch", "bf16", "Epoch s", "fp32",
                                   "Compiled", "CUDA graphs", "Whole, CUDA graphs",
                                   "Graphs only", "Recorded step", "Train ex/s",

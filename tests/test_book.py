@@ -305,6 +305,12 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     (results / "gpu_z.json").write_text(json.dumps({"device": "Z", "models": {"bidaf": bidaf}}))
     (results / "gpu_z_cuda_graphs.json").write_text(json.dumps(
         {"device": "Z", "cuda_graphs": True, "models": {"bidaf": {"error": "RuntimeError: x"}}}))
+    # Full precision beside the profile's, measured in one process, by another session (another
+    # revision of the readers' code than the eager entry's, which has none: revision 1).
+    (results / "gpu_z_fp32.json").write_text(json.dumps(
+        {"device": "Z", "fp32": True, "models": {"bidaf": {
+            "speed_revision": 3, "speed": {"400": {"epoch_seconds": 44.0}},
+            "bf16_speed": {"400": {"epoch_seconds": 46.0}}}}}))
     (results / "gpu_x_fp32.json").write_text(json.dumps(
         {"device": "X", "fp32": True, "models": {"bidaf": {"speed": {"400": {"epoch_seconds":
                                                                               44.0}}}}}))
@@ -328,8 +334,8 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     # the blocks failed; a reader failed eager and --tiny left out.
     assert ("| bidaf | X | 60 | no | 46.9 | 44 | 40 | failed | 20 | cut after 298 s | 12 | 1866 "
             "| 2 | earlier |") in page
-    assert ("| bidaf | Z | 60 | no | 46.9 | — | — | — | — | — | measure again | 1866 | 2 | "
-            "earlier |") in page
+    assert ("| bidaf | Z | 60 | no | 46.9 | 44 (bf16 46, rev. 3) | — | — | — | — | measure again "
+            "| 1866 | 2 | earlier |") in page
     assert "| qanet | X" not in page and "| cpu |" not in page
     # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.
     assert "| tq | 4 | 1 | 1 | 2 | 25 |" in page

@@ -150,7 +150,12 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
                          str(out)])
     assert fp32["fp32"] and fp32["models"]["qanet"]["config_hash"] == \
         reader_hash("qanet", "smoke", ["device=cpu", "batch_size=2", "bf16=false"])
+    # Beside it, the profile's precision at the first length, measured in the same process.
+    assert set(fp32["models"]["qanet"]["bf16_speed"]) == {"16"}
     assert set(bringup.kept(out, fp32, "cpu")) == {"qanet"}
+    alone = {k: v for k, v in fp32["models"]["qanet"].items() if k != "bf16_speed"}
+    out.write_text(json.dumps(dict(fp32, models={"qanet": alone})))
+    assert bringup.kept(out, fp32, "cpu") == {}  # measured again, with its pair
 
 
 def test_gpu_bringup_enters_the_reader_a_sigterm_cuts_with_its_seconds(tmp_path):

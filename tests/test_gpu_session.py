@@ -178,6 +178,24 @@ def test_the_profile_runs_again_for_another_revision_of_the_readers_code(tmp_pat
     assert gs.profile_skip(s) is None
 
 
+def test_full_precision_is_measured_again_beside_the_profiles_precision(tmp_path):
+    """A full-precision file on file is measured again when a reader's entry is of another
+    revision of the readers' code, or lacks its profile's precision measured beside it in the
+    same process: only that pair says which precision is faster (sessions' machines differ)."""
+    results = tmp_path / "results"
+    results.mkdir()
+    s = session(tmp_path / "w", tiny=False, results=results)
+    paired = {"speed_revision": SPEED_REVISION, "speed": {}, "bf16_speed": {}}
+    fp32 = {"device": "cpu", "complete": True, "fp32": True,
+            "models": {"qanet": paired, "dynsan": {"error": "RuntimeError: x"}}}
+    (results / "gpu_cpu_fp32.json").write_text(json.dumps(fp32))
+    assert gs.fp32_skip(s) == "on file"
+    for stale in ({**paired, "speed_revision": SPEED_REVISION - 1},
+                  {k: v for k, v in paired.items() if k != "bf16_speed"}):
+        (results / "gpu_cpu_fp32.json").write_text(json.dumps(dict(fp32, models={"qanet": stale})))
+        assert gs.fp32_skip(s) is None
+
+
 def test_an_h100_reads_the_packing_profile_and_compile_files_of_the_h200(tmp_path):
     """The H100 and the H200 are one chip (GH100): what the H200 measured of packing, the
     profile and compiling is not measured again on an H100 (its bring-up is), and the H200's
