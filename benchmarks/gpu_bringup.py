@@ -42,10 +42,7 @@ eagerly (``benchmarks/cudagraph_check.py`` makes the same checks on the CPU).
 ``bf16: false``: TF32 matrix products, no autocast): an eager step of QANet or DynSAN waits on
 its launches, and autocast adds a cast kernel before each matrix product and convolution whose
 input or weight is float32 (``benchmarks/op_counts.py`` counts them, ``bf16_casts``), which
-full precision does without. Its entries have the config hash of ``bf16: false``, and each
-also holds the reader in its profile's precision at the first length, measured just before in
-the same process (``bf16_speed``): the eager rates of one reader on two H200 sessions' machines
-differed by more than the two precisions do, so only a pair of one process compares them.
+full precision does without. Its entries have the config hash of ``bf16: false``.
 ``--cuda-graphs`` measures the readers with their step recorded once per batch shape and
 replayed as CUDA graphs (config ``cuda_graphs``,
 :mod:`mrc_lib.graphs`): no torch.compile, nothing traced, every kernel of the step (the
@@ -53,6 +50,11 @@ optimizer's and the weight average's too) in one launch. A recording torch refus
 reader's error. Each entry also says how a replay agrees with the eager step from the same
 state (``agreement``, :func:`agreement`), and its config hash is the plain bring-up's
 (``cuda_graphs`` changes how a step is computed, not what).
+Under ``--fp32`` and ``--cuda-graphs`` each entry also holds the reader as the plain bring-up
+measures it (its profile's precision, eager), at the same lengths, measured just before in the
+same process (``plain_speed``): the eager rates of one reader on two H200 sessions' machines
+differed by more than its precisions do, so only a pair of one process says which way is
+faster.
 ``--tiny`` uses the smoke profile's shrunk readers, batches of 2 and one timed step: it checks
 the script, not the speed.
 """
@@ -172,13 +174,13 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
             cuda_graphs: bool = False) -> dict:
     """One reader's bring-up: a checked training step, then speeds and peak memory; through
     :func:`torch.compile` in ``compile_mode`` (of the ``whole`` reader) unless it is
-    ``None``; in full precision with ``fp32``, after its profile's precision at the first
-    length in this process (``bf16_speed``: sessions' machines differ too much for a rate of
-    another session to say which precision is faster); its step recorded as CUDA graphs with
-    ``cuda_graphs``, and then how a replay agrees with the eager step (:func:`agreement`)."""
+    ``None``; in full precision with ``fp32``; its step recorded as CUDA graphs with
+    ``cuda_graphs``, and then how a replay agrees with the eager step (:func:`agreement`).
+    The last two first measure the plain reader in this process (``plain_speed``): sessions'
+    machines differ too much for a rate of another session to say which way is faster."""
     beside = None
-    if fp32:
-        beside = measure(name, device, seq_lens[:1], steps, tiny, None)["speed"]
+    if fp32 or cuda_graphs:
+        beside = measure(name, device, seq_lens, steps, tiny, None)["speed"]
         gc.collect()  # that reader, before this one's memory peak
     s = setup(name, "smoke" if tiny else "full",
               overrides(device, tiny, compile_mode, whole, fp32, cuda_graphs),
@@ -194,7 +196,7 @@ def measure(name: str, device: str, seq_lens: list[int], steps: int, tiny: bool,
               "speed_revision": SPEED_REVISION,
               "params": count_parameters(model), "speed": {}}
     if beside is not None:
-        result["bf16_speed"] = beside
+        result["plain_speed"] = beside
     # Under CUDA graphs on a GPU, a graph that torch refuses to record (it says why) is an
     # error, not a graph run eagerly and timed as if it were replayed (a CPU records none).
     graphs = bool(cfg.compile) and cfg.compile_mode in GRAPH_MODES and dev.type == "cuda"
@@ -223,7 +225,8 @@ SETTINGS = ("device", "torch", "cuda", "compile", "compile_mode", "compile_revis
 def kept(out: Path, results: dict, device: str) -> dict:
     """The readers of a cut file ``out`` to keep: measured under ``results``' settings, without
     an error, with the config hash each has today and today's code (:data:`SPEED_REVISION`),
-    and, in full precision, beside their profile's precision (``bf16_speed``)."""
+    and, in full precision or recorded as CUDA graphs, with the plain reader's rates measured
+    beside them (``plain_speed``)."""
     if not out.is_file():
         return {}
     earlier = json.loads(out.read_text(encoding="utf-8"))
@@ -241,7 +244,7 @@ def kept(out: Path, results: dict, device: str) -> dict:
                 entry.get("seconds", 0) >= WHOLE_FINAL_SECONDS
         return "error" not in entry and same_code(entry) and \
             entry.get("config_hash") == reader_hash(name, profile, keys) and \
-            ("bf16_speed" in entry or not results.get("fp32"))
+            ("plain_speed" in entry or not (results.get("fp32") or results.get("cuda_graphs")))
 
     return {name: entry for name, entry in earlier.get("models", {}).items()
             if final(name, entry)}

@@ -292,15 +292,17 @@ VARIANTS = ("_fp32", "_compile", "_compile_reduce_overhead", "_compile_whole_red
             "_compile_whole_cudagraphs", "_cuda_graphs")
 
 
-def variant_cell(entry: dict, stale: bool = False, revision: int | None = None):
+def variant_cell(entry: dict, stale: bool = False, revision: int | None = None,
+                 plain: str = "eager"):
     """A variant's seconds per SQuAD epoch; for a reader whose compilation its step's time
     cut, how long it had compiled; for one whose step raised an error, that it failed, or,
     in a ``stale`` file (a recorded-step file of an earlier check,
-    :func:`mrc_lib.bench.same_check`), that it is to be measured again. A full-precision
-    entry gives its profile's precision measured beside it (``bf16_speed``, the same process),
-    and an entry of another revision of the readers' code than ``revision`` (the eager
-    entry's, :data:`mrc_lib.bench.SPEED_REVISION`) names its own: another session measured
-    it, on another machine."""
+    :func:`mrc_lib.bench.same_check`), that it is to be measured again. An entry measured
+    beside the plain reader in the same process (``plain_speed``: full precision, the recorded
+    step) gives that figure too, named ``plain``, and an entry of another revision of the
+    readers' code than ``revision`` (the eager entry's,
+    :data:`mrc_lib.bench.SPEED_REVISION`) names its own: another session measured it, on
+    another machine."""
     from mrc_lib.bench import CUT
 
     if entry.get("error") == CUT and "seconds" in entry:
@@ -309,8 +311,8 @@ def variant_cell(entry: dict, stale: bool = False, revision: int | None = None):
         return "measure again" if stale else "failed"
     seconds = entry.get("speed", {}).get(SPEED_TOKENS, {}).get("epoch_seconds")
     notes = []
-    if seconds is not None and "bf16_speed" in entry:
-        notes.append("bf16 " + format_cell(entry["bf16_speed"].get(SPEED_TOKENS, {})
+    if seconds is not None and "plain_speed" in entry:
+        notes.append(f"{plain} " + format_cell(entry["plain_speed"].get(SPEED_TOKENS, {})
                                             .get("epoch_seconds")))
     if seconds is not None and revision is not None and \
             entry.get("speed_revision", 1) != revision:
@@ -337,7 +339,8 @@ def speed_rows(results_dir: Path) -> list[list]:
         files = [json.loads(f.read_text(encoding="utf-8")) if f.is_file() else {}
                  for f in (path.with_name(f"{path.stem}{s}.json") for s in VARIANTS)]
         modes = [(f.get("models", {}),
-                  suffix == "_cuda_graphs" and bool(f) and not same_check(f))
+                  suffix == "_cuda_graphs" and bool(f) and not same_check(f),
+                  "bf16" if suffix == "_fp32" else "eager")
                  for f, suffix in zip(files, VARIANTS)]
         for name, m in sorted(eager["models"].items()):
             if "speed" not in m:
@@ -349,8 +352,8 @@ def speed_rows(results_dir: Path) -> list[list]:
             revision = m.get("speed_revision", 1)
             rows.append([name, eager["device"], m["batch_size"], "yes" if m["bf16"] else "no",
                          variant_cell(m),
-                         *(variant_cell(mode.get(name, {}), stale, revision)
-                           for mode, stale in modes),
+                         *(variant_cell(mode.get(name, {}), stale, revision, plain)
+                           for mode, stale, plain in modes),
                          m["speed"].get(SPEED_TOKENS, {}).get("train_examples_per_s"),
                          m["peak_memory_bytes"] / 2**30, config])
     return rows
@@ -437,8 +440,9 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   "*measure again*, that an earlier revision of the recorded step's check "
                   "raised it (its eager step ran in eval mode), and the next GPU session "
                   "measures the reader again (`AGREEMENT_REVISION` in `mrc_lib/bench.py`)."
-                  " In the *fp32* column, *bf16* gives the reader in its profile's precision, "
-                  "measured just before in the same process. A figure marked *rev. N* was "
+                  " Beside a figure, *bf16* (under *fp32*) and *eager* (under *Recorded "
+                  "step*) give the plain reader, eager in its profile's precision, measured "
+                  "just before in the same process. A figure marked *rev. N* was "
                   "measured with revision N of the readers' code, not the revision of the "
                   "row's eager figure (`SPEED_REVISION` in `mrc_lib/bench.py`), so by another "
                   "session on another machine: one reader's eager rate differs between "

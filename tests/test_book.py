@@ -310,7 +310,7 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     (results / "gpu_z_fp32.json").write_text(json.dumps(
         {"device": "Z", "fp32": True, "models": {"bidaf": {
             "speed_revision": 3, "speed": {"400": {"epoch_seconds": 44.0}},
-            "bf16_speed": {"400": {"epoch_seconds": 46.0}}}}}))
+            "plain_speed": {"400": {"epoch_seconds": 46.0}}}}}))
     (results / "gpu_x_fp32.json").write_text(json.dumps(
         {"device": "X", "fp32": True, "models": {"bidaf": {"speed": {"400": {"epoch_seconds":
                                                                               44.0}}}}}))

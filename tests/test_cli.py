@@ -85,6 +85,8 @@ def test_gpu_bringup_records_the_readers_steps_as_cuda_graphs(tmp_path):
     assert result["cuda_graphs"] and "error" not in result["models"]["qanet"]
     # a CPU records no graph (config cuda_graphs is CUDA-only), and the hash is the plain one
     assert "agreement" not in result["models"]["qanet"]
+    # Beside it, the plain reader's rates at the same lengths, measured in the same process.
+    assert set(result["models"]["qanet"]["plain_speed"]) == {"16"}
     assert result["models"]["qanet"]["config_hash"] == bringup.reader_hash(
         "qanet", "smoke", ["device=cpu", "batch_size=2"])
     # A file of an earlier check (revision 1 had no agreement_revision) keeps no reader.
@@ -151,9 +153,9 @@ def test_gpu_bringup_resume_keeps_what_a_cut_command_measured(tmp_path):
     assert fp32["fp32"] and fp32["models"]["qanet"]["config_hash"] == \
         reader_hash("qanet", "smoke", ["device=cpu", "batch_size=2", "bf16=false"])
     # Beside it, the profile's precision at the first length, measured in the same process.
-    assert set(fp32["models"]["qanet"]["bf16_speed"]) == {"16"}
+    assert set(fp32["models"]["qanet"]["plain_speed"]) == {"16"}
     assert set(bringup.kept(out, fp32, "cpu")) == {"qanet"}
-    alone = {k: v for k, v in fp32["models"]["qanet"].items() if k != "bf16_speed"}
+    alone = {k: v for k, v in fp32["models"]["qanet"].items() if k != "plain_speed"}
     out.write_text(json.dumps(dict(fp32, models={"qanet": alone})))
     assert bringup.kept(out, fp32, "cpu") == {}  # measured again, with its pair
 
