@@ -367,7 +367,8 @@ GRAPHS_MODELS = PROFILE_MODELS + \
     ",qanet_na,san,iterative_aligner,decaprop,rnet,ea_reader,dynsan_mc,bidafpp,bidaf"
 # A reader's runs replay their steps as CUDA graphs (queue run --graphed) when its recorded
 # step trained as the eager one (agreement: relative distance of the two updates) and was this
-# much faster at 140 context tokens, SQuAD's mean context, than the eager bring-up's.
+# much faster at 140 context tokens, SQuAD's mean context, than its eager step measured
+# beside it in the same process (plain_speed).
 AGREEMENT_MAX = 0.05
 GRAPHS_GAIN = 1.2
 
@@ -404,17 +405,13 @@ def recorded(s: Session) -> dict[str, dict]:
 def graphed(s: Session) -> list[str]:
     """The readers whose runs this session's queue replays as CUDA graphs: those
     :func:`recorded` at :data:`GRAPHS_GAIN` times the eager rate at 140 tokens that the same
-    process measured beside the recording (``plain_speed``; for an entry without it, the eager
-    bring-up's on file, which another session's machine may have measured; or with no eager
-    rate on file)."""
-    eager = (s.on_file("gpu_{device}.json", chip=True) or {}).get("models", {})
-
-    def rate(speed: dict) -> float:
-        return speed.get("140", {}).get("train_examples_per_s", 0.0)
+    process measured beside the recording (``plain_speed``), not the eager bring-up's, which
+    another session's machine may have measured."""
+    def rate(m: dict, key: str) -> float | None:
+        return m.get(key, {}).get("140", {}).get("train_examples_per_s")
 
     return [name for name, m in recorded(s).items()
-            if rate(m.get("speed", {})) >= GRAPHS_GAIN * rate(
-                m.get("plain_speed", eager.get(name, {}).get("speed", {})))]
+            if rate(m, "plain_speed") and rate(m, "speed") >= GRAPHS_GAIN * rate(m, "plain_speed")]
 
 
 def train_skip(s: Session) -> str | None:
