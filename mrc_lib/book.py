@@ -245,11 +245,15 @@ def metric_names(scores: list[dict | None]) -> list[tuple[str, str]]:
     return list(found.items())
 
 
-def record_state(record: dict, job) -> str:
-    """Where a training record stands against the queue's run of the same name (``job``)."""
+def record_state(record: dict, job, kept: bool = False) -> str:
+    """Where a training record stands against the queue's run of the same name (``job``); a
+    ``kept`` one is of a config that a newer record replaced (``earlier/``,
+    :func:`mrc_lib.records.keep_earlier`)."""
     from mrc_lib import records
 
     state = "done" if records.finished(record) else "partial"
+    if kept:
+        return f"{state}, earlier config (kept, commit {record.get('git_commit', '?')[:7]})"
     if job is None:
         return f"{state}, not in the queue (profile {record.get('profile')})"
     if record["config_hash"] != records.config_hash(job.config().to_dict()):
@@ -404,8 +408,10 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
              "This page lists the records as GPU sessions bring them: our numbers, one seed, "
              "before the chapter sets them beside the paper's. A partial run stopped at a "
              "session's end and goes on in a later one; a run of an earlier config is trained "
-             "again. Records of other profiles (a CPU run at the full profile's "
-             "hyperparameters, chapter 01's optimizer probes) are listed too, with their "
+             "again, and its record, when it holds an epoch, is kept and listed as an earlier "
+             "config's, with the commit it ran at (`book/runs/<chapter>/earlier/`). Records "
+             "of other profiles (a CPU run at the full profile's hyperparameters, chapter "
+             "01's optimizer probes) are listed too, with their "
              "profile. A queue run may also be trained on a CPU, where its record has the "
              "same config as a GPU's: the *Device* column gives the precision each run "
              "computed in (bf16 autocast needs CUDA, so a CPU computes in fp32). Several runs "
@@ -475,7 +481,9 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                              record.get("torch"), record.get("seconds")])
         else:
             job = by_key.get(f"{record['chapter']}/{record['run']}")
-            trained.setdefault(record["chapter"], []).append((record, record_state(record, job)))
+            kept = path.parent.name == records.EARLIER
+            trained.setdefault(record["chapter"], []).append((record, record_state(record, job,
+                                                                                  kept)))
     if measured:
         parts += ["**Measurements.** Speeds and memory that the chapters read at the full "
                   "profile, each made alone on its device.",

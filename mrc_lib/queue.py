@@ -890,16 +890,18 @@ def restore(out: Path, inbox: Path, log=print) -> bool:
 
 def import_records(out: Path) -> list[Path]:
     """Copy ``out/records/<chapter>/<run>.json`` into ``book/runs`` (each one checked); a
-    partial record never replaces a finished one."""
+    partial record never replaces a finished one of its config, and one of another config is
+    kept under ``earlier/`` (:func:`mrc_lib.records.keep_earlier`)."""
     copied = []
     for path in sorted((out / "records").rglob("*.json")):
         record = records.read_record(path)
         dest = records.record_path(record["chapter"], record["run"])
-        if (not records.finished(record) and dest.exists()
-                and records.finished(records.read_record(dest))):
-            continue
+        if not records.finished(record) and dest.exists():
+            found = records.read_record(dest)
+            if records.finished(found) and found["config_hash"] == record["config_hash"]:
+                continue
         dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, dest)
+        records.write_record(dest, record)
         copied.append(dest)
     return copied
 

@@ -10,7 +10,9 @@ config hash, the training examples per second and the wall time (training plus e
 seconds, summed over every session that resumed it); predictions are never in it. It is
 written atomically and must stay under :data:`MAX_BYTES`. A run stopped before the end of its
 schedule (a GPU session's deadline) has a partial record, ``complete: false``: it counts as
-progress, never as a result (:func:`finished`).
+progress, never as a result (:func:`finished`). A record that one of another config replaces
+is kept, when it holds an epoch, under ``earlier/`` beside it (:func:`keep_earlier`): the
+result a run wrote is never lost to a change of config.
 
 At the full profile a notebook's ``run.train(name, cfg, data)`` returns the record of ``name``
 instead of training when its config hash and data digests equal the new run's
@@ -33,6 +35,7 @@ from mrc_lib.utils import atomic_write_bytes
 ROOT = Path(__file__).resolve().parent.parent
 BOOK_RUNS = ROOT / "book" / "runs"
 MAX_BYTES = 1_000_000
+EARLIER = "earlier"  # the folder, beside a run's record, of its earlier configs' records
 CURVE_POINTS = 200
 SCHEMA = 1
 # Config keys that do not change what a run computes (where and how it is computed,
@@ -109,15 +112,50 @@ def make_record(metrics: dict, *, chapter: str, run: str, log_path: Path | None 
 
 
 def write_record(path: str | Path, record: dict) -> Path:
-    """Write ``record`` atomically (:func:`dumps`); a record over :data:`MAX_BYTES` is
-    refused."""
+    """Write ``record`` atomically (:func:`dumps`), keeping the record of another config that
+    it replaces (:func:`keep_earlier`); a record over :data:`MAX_BYTES` is refused."""
     path = Path(path)
     blob = (dumps(record) + "\n").encode()
     if len(blob) > MAX_BYTES:
         raise UserError(f"{path}: record of {len(blob)} bytes is over {MAX_BYTES}; "
                         "shrink the reader's analysis payload")
+    keep_earlier(path, record)
     atomic_write_bytes(path, blob)
     return path
+
+
+def earlier_path(path: str | Path, record: dict) -> Path:
+    """Where the record ``record``, found at ``path``, is kept once a record of another config
+    replaces it: ``<folder>/earlier/<run>.<its config hash>.json``."""
+    path = Path(path)
+    return path.parent / EARLIER / f"{path.stem}.{record['config_hash']}.json"
+
+
+def keep_earlier(path: str | Path, record: dict) -> Path | None:
+    """Before ``record`` is written to ``path``: copy the training record there aside
+    (:func:`earlier_path`, the same bytes, atomically) when it is of another config and holds
+    at least one epoch, and return where it went. A record of the same config (a partial run
+    going on), one without an epoch, a measurement or an unreadable file is simply replaced."""
+    path = Path(path)
+    if not path.is_file() or is_measurement(record):
+        return None
+    try:
+        old = read_record(path)
+    except UserError:
+        return None
+    if is_measurement(old) or old["config_hash"] == record["config_hash"] or not old["history"]:
+        return None
+    dest = earlier_path(path, old)
+    atomic_write_bytes(dest, path.read_bytes())
+    return dest
+
+
+def earlier(chapter: str, run: str, root: Path | None = None) -> list[dict]:
+    """The records of a chapter's run kept from its earlier configs (:func:`keep_earlier`),
+    in the order of their file names (config hashes)."""
+    folder = record_path(chapter, run, root).parent / EARLIER
+    return [read_record(p) for p in sorted(folder.glob(f"{run}.*.json"))
+            if p.stem.rsplit(".", 1)[0] == run]
 
 
 def dumps(obj, level: int = 0) -> str:

@@ -278,6 +278,10 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     record("r_seed0", current("r_seed0"))
     record("r_seed1", current("r_seed1"), complete=False)
     record("r_seed2", "an earlier one")
+    # r_seed3 ran an epoch of an earlier config, then started again: the first is kept.
+    record("r_seed3", "older", history=[{"epoch": 1}], git_commit="19cf9e76a8b4")
+    record("r_seed3", current("r_seed3"), complete=False)
+    assert (runs / "tq" / records.EARLIER / "r_seed3.older.json").is_file()
     record("probe", "h", profile="cpu", device="AMD EPYC", cuda=None)
     records.write_record(runs / "ch" / "speed.json", {
         "schema": 1, "kind": "measurement", "chapter": "ch", "run": "speed", "profile": "full",
@@ -337,8 +341,9 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     assert ("| bidaf | Z | 60 | no | 46.9 | 44 (bf16 46, rev. 3) | — | — | — | — | measure again "
             "| 1866 | 2 | earlier |") in page
     assert "| qanet | X" not in page and "| cpu |" not in page
-    # r_seed2's record is of an earlier config: missing; r_seed1's partial one, half done.
-    assert "| tq | 4 | 1 | 1 | 2 | 25 |" in page
+    # r_seed2's record is of an earlier config: missing; r_seed1's and r_seed3's partial ones,
+    # half done (the kept record of r_seed3's earlier config counts for nothing).
+    assert "| tq | 4 | 1 | 2 | 1 | 20 |" in page
     assert "| ch/speed | NVIDIA H200 | 2.11 | 4.2 |" in page
     rows = {line.split(" | ")[0][2:]: line for line in page.splitlines()
             if line.startswith("| r_") or line.startswith("| probe")}
@@ -346,6 +351,8 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
                                "| 71 | 1.5 | 1 |")
     assert " | partial | " in rows["r_seed1"] and "| 1 of 2 |" in rows["r_seed1"]
     assert " | done, earlier config: runs again | " in rows["r_seed2"]
+    assert [line.split(" | ")[1] for line in page.splitlines() if line.startswith("| r_seed3")] \
+        == ["done, earlier config (kept, commit 19cf9e7)", "partial"]
     # A CPU computes in fp32 whatever the config's bf16 (autocast needs CUDA).
     assert " | done, not in the queue (profile cpu) | AMD EPYC (fp32) | " in rows["probe"]
     assert "Test accuracy" not in page and "| Test" not in page  # no record has a test split

@@ -152,6 +152,13 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     assert records.read_record(book / "tq" / "bidaf_seed0.json")["complete"]
     assert book / "tq" / "bidaf_seed0.json" not in queue.import_records(gpu)
     assert records.read_record(book / "tq" / "bidaf_seed0.json")["complete"]
+    # A partial record of another config replaces it, and the finished one is kept.
+    finished = (book / "tq" / "bidaf_seed0.json").read_bytes()
+    other = gpu / "records" / "tq" / "bidaf_seed0.json"
+    records.write_record(other, {**partial, "config_hash": "0" * 16})
+    assert queue.import_records(gpu) == [book / "tq" / "bidaf_seed0.json"]
+    assert not records.read_record(book / "tq" / "bidaf_seed0.json")["complete"]
+    assert records.earlier("tq", "bidaf_seed0", book) == [json.loads(finished)]
 
 
 def _runner_folder(out: Path) -> tuple[Path, Path]:

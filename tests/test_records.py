@@ -130,6 +130,31 @@ def test_writes_are_atomic_and_oversized_records_refused(tmp_path, monkeypatch):
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
+def test_a_record_of_another_config_is_kept_not_lost(tmp_path):
+    path = records.record_path("ch", "bidaf", tmp_path)
+    first = {**{k: 1 for k in records.REQUIRED}, "config_hash": "a" * 16,
+             "history": [{"epoch": 1, "dev": {"f1": 70.0}}]}
+    records.write_record(path, first)
+    written = path.read_bytes()
+    records.write_record(path, {**first, "steps": 2})  # the same config goes on: replaced
+    assert not (path.parent / records.EARLIER).exists()
+    records.write_record(path, first)
+    second = {**first, "config_hash": "b" * 16, "history": []}
+    records.write_record(path, second)  # another config: the first is kept, byte for byte
+    kept = path.parent / records.EARLIER / f"bidaf.{'a' * 16}.json"
+    assert kept.read_bytes() == written
+    assert records.read_record(path)["config_hash"] == "b" * 16
+    assert records.earlier("ch", "bidaf", tmp_path) == [first]
+    assert records.earlier("ch", "bid", tmp_path) == []
+    # A record without an epoch, a measurement and a corrupt file are replaced, not kept.
+    records.write_record(path, {**second, "config_hash": "c" * 16})
+    measurement = {k: 1 for k in records.MEASUREMENT_REQUIRED} | {"kind": records.MEASUREMENT}
+    records.write_record(path, measurement)
+    path.write_text("{not json")
+    records.write_record(path, first)
+    assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]
+
+
 @pytest.mark.parametrize("text, message", [("{not json", "corrupt run record"),
                                            ('{"schema": 1}', "missing chapter")])
 def test_a_corrupt_record_is_a_one_line_error_naming_the_file(tmp_path, text, message):
