@@ -474,7 +474,9 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   markdown_table(["Reader", "Device", "Batch", "Tokens", "Step ms",
                                   "Kernel ms", "Busy", "Launches", "Top operator"], steps)]
     measured, trained = [], {}
-    for path in sorted(runs_dir.glob("*/**/*.json")):
+    # Each chapter's kept records of earlier configs (records.EARLIER) after its current ones.
+    for path in sorted(runs_dir.glob("*/**/*.json"),
+                       key=lambda p: (p.parent.name == records.EARLIER, p)):
         record = records.read_record(path)
         if records.is_measurement(record):
             measured.append([f"{record['chapter']}/{record['run']}", record["device"],

@@ -900,7 +900,6 @@ def import_records(out: Path) -> list[Path]:
             found = records.read_record(dest)
             if records.finished(found) and found["config_hash"] == record["config_hash"]:
                 continue
-        dest.parent.mkdir(parents=True, exist_ok=True)
         records.write_record(dest, record)
         copied.append(dest)
     return copied

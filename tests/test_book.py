@@ -352,7 +352,7 @@ def test_full_runs_page_lists_each_record_with_its_state_against_the_queue(tmp_p
     assert " | partial | " in rows["r_seed1"] and "| 1 of 2 |" in rows["r_seed1"]
     assert " | done, earlier config: runs again | " in rows["r_seed2"]
     assert [line.split(" | ")[1] for line in page.splitlines() if line.startswith("| r_seed3")] \
-        == ["done, earlier config (kept, commit 19cf9e7)", "partial"]
+        == ["partial", "done, earlier config (kept, commit 19cf9e7)"]
     # A CPU computes in fp32 whatever the config's bf16 (autocast needs CUDA).
     assert " | done, not in the queue (profile cpu) | AMD EPYC (fp32) | " in rows["probe"]
     assert "Test accuracy" not in page and "| Test" not in page  # no record has a test split
