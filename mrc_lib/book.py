@@ -474,18 +474,16 @@ def render_full_runs(runs_dir: str | Path | None = None, queue_file: str | Path 
                   markdown_table(["Reader", "Device", "Batch", "Tokens", "Step ms",
                                   "Kernel ms", "Busy", "Launches", "Top operator"], steps)]
     measured, trained = [], {}
-    # Each chapter's kept records of earlier configs (records.EARLIER) after its current ones.
-    for path in sorted(runs_dir.glob("*/**/*.json"),
-                       key=lambda p: (p.parent.name == records.EARLIER, p)):
+    # Each chapter's kept records of earlier configs after its current ones.
+    for path in sorted(runs_dir.glob("*/**/*.json"), key=lambda p: (records.is_earlier(p), p)):
         record = records.read_record(path)
         if records.is_measurement(record):
             measured.append([f"{record['chapter']}/{record['run']}", record["device"],
                              record.get("torch"), record.get("seconds")])
         else:
             job = by_key.get(f"{record['chapter']}/{record['run']}")
-            kept = path.parent.name == records.EARLIER
-            trained.setdefault(record["chapter"], []).append((record, record_state(record, job,
-                                                                                  kept)))
+            state = record_state(record, job, records.is_earlier(path))
+            trained.setdefault(record["chapter"], []).append((record, state))
     if measured:
         parts += ["**Measurements.** Speeds and memory that the chapters read at the full "
                   "profile, each made alone on its device.",

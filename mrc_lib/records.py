@@ -150,12 +150,17 @@ def keep_earlier(path: str | Path, record: dict) -> Path | None:
     return dest
 
 
+def is_earlier(path: str | Path) -> bool:
+    """Whether the record at ``path`` is one kept from an earlier config (:func:`keep_earlier`)."""
+    return Path(path).parent.name == EARLIER
+
+
 def earlier(chapter: str, run: str, root: Path | None = None) -> list[dict]:
     """The records of a chapter's run kept from its earlier configs (:func:`keep_earlier`),
     in the order of their file names (config hashes)."""
-    folder = record_path(chapter, run, root).parent / EARLIER
-    return [read_record(p) for p in sorted(folder.glob(f"{run}.*.json"))
-            if p.stem.rsplit(".", 1)[0] == run]
+    current = record_path(chapter, run, root)
+    return [read_record(p) for p in sorted((current.parent / EARLIER).glob("*.json"))
+            if p.stem.rsplit(".", 1)[0] == current.stem]
 
 
 def dumps(obj, level: int = 0) -> str:

@@ -153,6 +153,12 @@ def test_a_record_of_another_config_is_kept_not_lost(tmp_path):
     path.write_text("{not json")
     records.write_record(path, first)
     assert sorted(p.name for p in kept.parent.iterdir()) == [kept.name]
+    # A run in a folder of its chapter (EA Reader's NE/...) keeps its records beside it.
+    nested = records.record_path("ch", "NE/r", tmp_path)
+    records.write_record(nested, first)
+    records.write_record(nested, second)
+    assert records.is_earlier(nested.parent / records.EARLIER / f"r.{'a' * 16}.json")
+    assert records.earlier("ch", "NE/r", tmp_path) == [first]
 
 
 @pytest.mark.parametrize("text, message", [("{not json", "corrupt run record"),
