@@ -549,6 +549,7 @@ class Progress:
     history: list[dict] = field(default_factory=list)  # one record per evaluation
     best: dict | None = None  # the best evaluation: {"epoch", "score", "dev", "test"}
     log_bytes: int = 0  # size of log.jsonl when the checkpoint was written
+    peak_memory_bytes: int = 0  # the highest peak of the run's processes up to the checkpoint
 
 
 class Trainer:
@@ -741,6 +742,7 @@ class Trainer:
         self._flush()
         if self.process.is_main:
             self.progress.log_bytes = (self.out / "log.jsonl").stat().st_size
+            self.progress.peak_memory_bytes = self._peak_memory()
             save_checkpoint(self.checkpoint_path, self.state_dict(), PART_BYTES)
 
     def _stop(self) -> None:
@@ -816,6 +818,11 @@ class Trainer:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _peak_memory(self) -> int:
+        """The run's peak memory: this process's, or a process before a resume's if higher (a
+        run that spans sessions peaks in any of them)."""
+        return max(self.progress.peak_memory_bytes, peak_memory_bytes(self.device))
+
     # -- outputs --------------------------------------------------------------------------------
 
     def _log(self, record: dict) -> None:
@@ -843,7 +850,7 @@ class Trainer:
                if "test" in self.data.splits else {}),
             "epochs_run": len(progress.seconds_per_epoch), "steps": progress.global_step,
             "seconds_per_epoch": progress.seconds_per_epoch,
-            "peak_memory_bytes": peak_memory_bytes(self.device),
+            "peak_memory_bytes": self._peak_memory(),
             "params": count_parameters(self.model),
             "device": device_name(self.device), "device_type": self.device.type,
             "rnn_precision": rnn_precision(self.model, self.device),

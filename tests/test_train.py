@@ -651,6 +651,22 @@ def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkey
         assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
 
 
+def test_peak_memory_is_the_highest_of_the_sessions_a_run_spans(tmp_path, data, monkeypatch):
+    """A resumed run reports the peak of every process it ran in, not only the last one's."""
+    cfg = toy_config(epochs=2, checkpoint_every=None)
+    steps = iter(range(1, 100))
+    monkeypatch.setattr(engine.time, "time", lambda: next(steps))
+    monkeypatch.setattr(engine, "peak_memory_bytes", lambda device: 5 * 2**30)
+    cut = engine.train(cfg, tmp_path, data=data, deadline=2)
+    assert not cut["complete"] and cut["peak_memory_bytes"] == 5 * 2**30
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["progress"]["peak_memory_bytes"] == \
+        5 * 2**30
+    monkeypatch.undo()
+    monkeypatch.setattr(engine, "peak_memory_bytes", lambda device: 3 * 2**30)
+    resumed = engine.train(cfg, tmp_path, resume=True, data=data)
+    assert resumed["complete"] and resumed["peak_memory_bytes"] == 5 * 2**30
+
+
 def test_without_epoch_checkpoints_only_a_deadline_writes_one_and_the_resume_is_exact(
         tmp_path, data, monkeypatch):
     """``epoch_checkpoints=false`` (a GPU session's runner): a finished run leaves no
