@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
                    help="a queue inbox (the bundles of a GPU session) holding the run")
     p.add_argument("--run", default="01_bidaf_qanet/bidaf", help="the queue run (CHAPTER/RUN)")
     p.add_argument("--checkpoint", help="a trainer checkpoint instead of --inbox/--run")
-    p.add_argument("--record", help="the run's record, for its device and commit")
+    p.add_argument("--record", help="the run's record, for its name, device and commit")
     p.add_argument("--noise-steps", type=int, default=5000)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"
                                         / "adadelta_steps_bidaf.json"))
@@ -118,7 +118,8 @@ def main(argv=None) -> dict:
             record = Path(args.record) if args.record else record
         results = step_sizes(load_checkpoint(checkpoint), str(checkpoint))
         meta = json.loads(record.read_text(encoding="utf-8")) if record else {}
-    results = {"run": args.checkpoint or args.run,
+    named = "chapter" in meta and "run" in meta   # a run record names its run
+    results = {"run": f"{meta['chapter']}/{meta['run']}" if named else args.checkpoint or args.run,
                **{k: meta.get(k) for k in ("device", "git_commit", "profile")},
                **results}
     opt = results["optimizer"]

@@ -321,6 +321,11 @@ def test_adadelta_steps_read_the_optimizer_state_by_hand(tmp_path):
                           str(tmp_path / "record.json"), "--noise-steps", "10", "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(written))
     assert (written["device"], written["git_commit"], written["step"]) == ("toy", "abc", 3)
+    assert written["run"] == str(tmp_path / "checkpoint.pt")   # a record that names no run
+    (tmp_path / "record.json").write_text(json.dumps({"chapter": "01_toy", "run": "toy"}))
+    named = steps.main(["--checkpoint", str(tmp_path / "checkpoint.pt"), "--record",
+                        str(tmp_path / "record.json"), "--noise-steps", "10", "--out", str(out)])
+    assert named["run"] == "01_toy/toy"
 
 
 
