@@ -23,9 +23,12 @@ The first batch of each shape trains eagerly, on the side stream that records (w
 and cuBLAS choose their algorithms for the shape outside a recording); the next batch of that
 shape is recorded, then replayed like every later one. The recordings share one memory pool:
 they replay one after another, and nothing of one outlives its replay but the loss, which is
-copied at once. A recording that fails (an operation that cannot be captured) turns graphs off
-for the rest of the run, with torch's reason in :attr:`GraphedStep.failed`: the steps then run
-eagerly on the current stream, as without ``cuda_graphs``.
+copied at once. A recording that fails (an operation that cannot be captured, or memory) turns
+graphs off for the rest of the run, with torch's reason in :attr:`GraphedStep.failed`, and so
+does a warm-up that runs out of memory (the pool holds the memory of every recording so far:
+on the H200 on 2026-11-29, 22.9 GiB after DecaProp's 100 shapes): the recordings are dropped,
+their pool given back, and the steps run eagerly on the current stream, as without
+``cuda_graphs``.
 """
 
 from __future__ import annotations
@@ -66,13 +69,22 @@ class CudaRecorder:
         self.pool = torch.cuda.graph_pool_handle()
 
     def warm_up(self, fn: Callable[[], Tensor]) -> Tensor:
-        """Run ``fn`` on the side stream, ordered after and before the current stream's work."""
+        """Run ``fn`` on the side stream, ordered after and before the current stream's work
+        (also when it fails: what it queued ends before the step that follows)."""
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            out = fn()
-        current.wait_stream(self.stream)
-        return out
+        try:
+            with torch.cuda.stream(self.stream):
+                return fn()
+        finally:
+            current.wait_stream(self.stream)
+
+    def release(self) -> None:
+        """Give the device the memory that dropped recordings held: their pool is freed once
+        no recording and no tensor allocated in it is left (the step frees its gradients
+        first), here or when the allocator next needs memory. Nothing records after this."""
+        self.pool = None
+        torch.cuda.empty_cache()
 
     def record(self, fn: Callable[[], Tensor]) -> tuple[Callable[[], object], Tensor]:
         """Record ``fn`` (nothing runs): its replay and the tensor its output is written to."""
@@ -93,8 +105,8 @@ class GraphedStep:
     Call it with a batch on the host (or on the device) for one training step; it returns the
     loss, on the device. :attr:`counts` counts the steps run ``eager`` (warm-ups, and every
     step after a failure), ``recorded`` and ``replayed`` (a recorded step is replayed too).
-    ``recorder`` warms up and records (:class:`CudaRecorder` by default; a test can stand in
-    for CUDA).
+    ``recorder`` warms up, records and gives memory back (:class:`CudaRecorder` by default;
+    a test can stand in for CUDA).
     """
 
     def __init__(self, step: Callable[[dict[str, Tensor]], Tensor], device: torch.device,
@@ -130,11 +142,15 @@ class GraphedStep:
         """A step without a recording: the shape's warm-up while graphs are on, else a step
         on the current stream."""
         self.counts["eager"] += 1
-        if self.failed is not None:
-            return self.step(to_device(batch, self.device))
-        loss = self.recorder.warm_up(lambda: self.step(to_device(batch, self.device)))
-        self.warm.add(key)
-        return loss
+        if self.failed is None:
+            try:
+                loss = self.recorder.warm_up(lambda: self.step(to_device(batch, self.device)))
+            except torch.OutOfMemoryError as e:  # the optimizer has not stepped: step again
+                self.turn_off(reason(e))
+            else:
+                self.warm.add(key)
+                return loss
+        return self.step(to_device(batch, self.device))
 
     def record(self, key: tuple, batch: dict[str, Tensor]) -> Recording | None:
         """Record the step on ``batch``'s shape, its inputs holding ``batch`` (the replay that
@@ -143,11 +159,18 @@ class GraphedStep:
         try:
             replay, loss = self.recorder.record(lambda: self.step(inputs))
         except Exception as e:  # noqa: BLE001 (named in failed; the run goes on eagerly)
-            self.failed = reason(e)
+            self.turn_off(reason(e))
             return None
         self.counts["recorded"] += 1
         self.recordings[key] = Recording(replay, inputs, loss)
         return self.recordings[key]
+
+    def turn_off(self, why: str) -> None:
+        """Graphs off for the rest of the run, ``why`` in :attr:`failed`: the recordings,
+        never replayed again, are dropped and their memory given back."""
+        self.failed = why
+        self.recordings.clear()
+        self.recorder.release()
 
 
 def reason(e: BaseException) -> str:

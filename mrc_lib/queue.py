@@ -131,6 +131,27 @@ class Job:
 GRAPH_SETTINGS = ("cuda_graphs=true", "pad_multiple=16")
 
 
+# Workers that share a GPU each get this share of its memory, less HEADROOM for the CUDA
+# contexts, which no allocator counts (mrc_lib.train.GPU_SHARE).
+HEADROOM = 0.05
+
+
+def worker_env(job: Job, parallel: int, graphed: Collection[str]) -> dict[str, str]:
+    """The environment of ``job``'s worker among ``parallel`` on one GPU: its share of the
+    GPU's memory, and, where its steps run eagerly, expandable segments, which map the
+    tensors of changing batch shapes into one growing segment rather than caching a segment
+    per size (PyTorch's advice for memory reserved but unallocated; a recorded step's pool is
+    left as the bring-up measured it). A variable already set is kept."""
+    from mrc_lib.train import GPU_SHARE
+
+    env = dict(os.environ)
+    if parallel > 1:
+        env.setdefault(GPU_SHARE, f"{(1 - HEADROOM) / parallel:.4f}")
+    if job.entry.model not in graphed:
+        env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    return env
+
+
 def check_settings(settings: list[str] | None) -> tuple[str, ...]:
     """``queue run --set KEY=VALUE`` may change only how a run is computed, never what: the keys
     that the config hash leaves out (:data:`mrc_lib.records.UNHASHED`), so that the chapter
@@ -504,7 +525,8 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
                  "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
                  "--profile", profile, *(f"--set={s}" for s in settings),
                  *(f"--set={s}" for s in GRAPH_SETTINGS if job.entry.model in graphed)],
-                stdout=log_file, stderr=subprocess.STDOUT), log_file)
+                stdout=log_file, stderr=subprocess.STDOUT,
+                env=worker_env(job, parallel, graphed)), log_file)
         if not running:
             break
         time.sleep(0.2)

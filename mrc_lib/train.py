@@ -390,14 +390,16 @@ def save_compile_cache(folder: Path, key: str) -> str:
 
 def train_step(net: nn.Module, batch: dict[str, Tensor], optimizer: torch.optim.Optimizer,
                cfg: TrainConfig, device: torch.device) -> Tensor:
-    """Forward, the task's loss, backward, gradient clipping and one optimizer step on a batch
-    already on ``device``; returns the loss, detached but left on the device (no
-    synchronization)."""
+    """The last step's gradients dropped, then forward, the task's loss, backward, gradient
+    clipping and one optimizer step on a batch already on ``device``; returns the loss,
+    detached but left on the device (no synchronization). Dropping the gradients first frees
+    them before the forward's activations (in a recorded step, the recordings' pool holds
+    them: :meth:`mrc_lib.graphs.GraphedStep.turn_off` can then give it back)."""
     new_graph_step(cfg)
+    optimizer.zero_grad(set_to_none=True)
     with autocast(cfg, device):
         out = net(batch)
     loss = get_task(cfg.task).loss(out, batch)
-    optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip is not None:
         nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
@@ -446,9 +448,17 @@ class TrainingStep:
 # --- the machine -------------------------------------------------------------------------------
 
 
+# The fraction of the GPU's memory this process's allocator may hold (`queue run` sets it for
+# workers that share a GPU). Past it the allocator gives back what it caches and tries again
+# before it runs out, where without it one process's cache could take what the others need:
+# on the H200 on 2026-11-29 R-NET's eager worker held 102 GiB for a 13 GiB peak of tensors.
+GPU_SHARE = "MRC_GPU_SHARE"
+
+
 def resolve_device(name: str, index: int = 0) -> torch.device:
     """``auto``, ``cpu`` or ``cuda`` to a device (``cuda:index``, made current, with TF32
-    matrix products as cuDNN already uses for convolutions and LSTMs)."""
+    matrix products as cuDNN already uses for convolutions and LSTMs, and this process's
+    allocator held to the share of the GPU's memory that :data:`GPU_SHARE` gives it)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cpu":
@@ -458,6 +468,8 @@ def resolve_device(name: str, index: int = 0) -> torch.device:
                         "--set device=cpu")
     torch.cuda.set_device(index)
     torch.set_float32_matmul_precision("high")
+    if os.environ.get(GPU_SHARE):
+        torch.cuda.set_per_process_memory_fraction(float(os.environ[GPU_SHARE]), index)
     return torch.device("cuda", index)
 
 

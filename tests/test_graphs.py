@@ -32,9 +32,13 @@ class Emulated:
 
     def __init__(self, model: torch.nn.Module | None = None):
         self.modules = [] if model is None else list(model.modules())
+        self.released = 0
 
     def warm_up(self, fn):
         return fn()
+
+    def release(self):
+        self.released += 1
 
     def record(self, fn):
         loss, recorded = torch.zeros(()), [m.training for m in self.modules]
@@ -63,6 +67,30 @@ class Refusing(Emulated):
         except RuntimeError:
             raise RuntimeError("CUDA error: operation failed due to a previous error during "
                                "capture") from None
+
+
+OOM = "CUDA out of memory. Tried to allocate 4.38 GiB."
+
+
+class OutOfMemory(Emulated):
+    """A recorder whose pool has grown until the device is full: after ``recordings``
+    recordings, the next warm-up (or, with ``when="record"``, the next recording) runs out of
+    memory before the optimizer steps, as a forward or backward does."""
+
+    def __init__(self, recordings: int, when: str):
+        super().__init__()
+        self.recordings, self.when, self.calls = recordings, when, 0
+
+    def warm_up(self, fn):
+        if self.when == "warm_up" and self.calls >= self.recordings:
+            raise torch.OutOfMemoryError(OOM)
+        return fn()
+
+    def record(self, fn):
+        self.calls += 1
+        if self.when == "record" and self.calls > self.recordings:
+            raise torch.OutOfMemoryError(OOM)
+        return super().record(fn)
 
 
 def train(recorder=None):
@@ -114,6 +142,21 @@ def test_a_recording_torch_refuses_leaves_the_run_eager():
                           "(RuntimeError: CUDA error: operation failed due to a previous error "
                           "during capture)")
     assert dict(run.counts) == {"eager": len(LENGTHS)} and not run.recordings
+
+
+@pytest.mark.parametrize("when", ["warm_up", "record"])
+def test_running_out_of_memory_drops_the_recordings_and_the_run_goes_on_eagerly(when):
+    # 12: warm-up, 16: warm-up, 12: recorded, 12, 16: out of memory (record) or recorded, 20:
+    # out of memory (warm_up), 12: eager
+    eager, short = train(), train(OutOfMemory(recordings=1 if when == "record" else 2, when=when))
+    for key in ("losses", "params", "average"):
+        assert same(eager[key], short[key]), key
+    run = short["graphs"]
+    assert run.failed == f"OutOfMemoryError: {OOM}"
+    assert not run.recordings and run.recorder.released == 1
+    replayed = {"record": 2, "warm_up": 3}[when]
+    assert dict(run.counts) == {"eager": len(LENGTHS) - replayed,
+                                "recorded": replayed - 1, "replayed": replayed}
 
 
 def test_cuda_graphs_is_how_a_run_computes_not_what():

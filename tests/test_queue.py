@@ -526,6 +526,40 @@ def test_the_graphed_readers_runs_replay_their_steps_as_cuda_graphs(tmp_path, mo
     assert queue.check_settings(list(queue.GRAPH_SETTINGS))  # keys outside the config hash
 
 
+@pytest.mark.parametrize("parallel", [1, 4])
+def test_workers_sharing_a_gpu_each_hold_a_share_of_its_memory(tmp_path, monkeypatch,
+                                                               parallel):
+    from mrc_lib.train import GPU_SHARE
+
+    q = write_queue(tmp_path, {"tq": [
+        {"run": "a", "model": "qanet", "priority": 1, "minutes": 1, "schedule": "tiny"},
+        {"run": "b", "model": "rnet", "priority": 1, "minutes": 1, "schedule": "tiny"}]})
+    envs = {}
+
+    class Worker:  # a worker that ends at once, having been given its environment
+        def __init__(self, argv, env, **kwargs):
+            envs[argv[argv.index("--job") + 1]] = env
+            self.returncode = 0
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(queue.subprocess, "Popen", Worker)
+    monkeypatch.delenv(GPU_SHARE, raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    queue.run_queue(queue.load_queue(q), tmp_path / "q", minutes=5, reserve=0,
+                    parallel=parallel, queue_file=q, graphed=["qanet"], log=print)
+    share = {1: None, 4: "0.2375"}[parallel]  # (1 - 0.05) / 4
+    assert {key: env.get(GPU_SHARE) for key, env in envs.items()} == {"tq/a": share,
+                                                                      "tq/b": share}
+    # The eager worker's tensors of changing shapes go into one growing segment.
+    assert envs["tq/b"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in envs["tq/a"]
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.8")
+    assert queue.worker_env(queue.load_queue(q)[1], 2, ())["PYTORCH_CUDA_ALLOC_CONF"] == \
+        "garbage_collection_threshold:0.8"  # the user's own is kept
+
+
 def test_with_a_carry_over_a_run_that_will_be_cut_starts_only_if_its_checkpoint_fits(
         tmp_path, monkeypatch):
     q = write_queue(tmp_path, {"tq": [

@@ -863,3 +863,31 @@ def test_compile_mode_reaches_torch_compile_and_marks_each_graph_step(monkeypatc
         engine.train_step(model, batch, engine.build_optimizer(cfg, model, torch.device("cpu")),
                           cfg, torch.device("cpu"))
         assert len(steps) == marks
+
+
+def test_a_worker_given_a_share_of_the_gpu_holds_its_allocator_to_it(monkeypatch):
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda precision: None)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, index: fractions.append((fraction, index)))
+    monkeypatch.delenv(engine.GPU_SHARE, raising=False)
+    assert engine.resolve_device("cuda") == torch.device("cuda", 0) and fractions == []
+    monkeypatch.setenv(engine.GPU_SHARE, "0.2375")
+    engine.resolve_device("cuda")
+    assert fractions == [(0.2375, 0)]
+
+
+def test_a_step_drops_the_last_steps_gradients_before_its_forward():
+    from mrc_lib import bench
+
+    s = bench.setup("bidaf", "smoke", ["device=cpu", "batch_size=2"], vocab_size=500)
+    optimizer = torch.optim.Adam(p for p in s.model.parameters() if p.requires_grad)
+    before_forward = []
+    s.model.register_forward_pre_hook(lambda m, args: before_forward.append(
+        [p.grad is None for p in m.parameters()]))
+    batch = bench.synthetic_batch(s.vocab, 2, 12)
+    for _ in range(2):
+        engine.train_step(s.model, batch, optimizer, s.cfg, s.device)
+    assert all(before_forward[1]) and any(p.grad is not None for p in s.model.parameters())
