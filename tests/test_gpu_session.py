@@ -40,6 +40,10 @@ def test_one_session_prepare_run_import_tiny_on_cpu(mirror, tmp_path, monkeypatc
             lzma.compress(device.encode()))
     caches = [f"--compile-cache={paths['compile_cache']}",
               f"--staged-cache={paths['staged_cache']}"]
+    # The repository's own carry-over (two bundles, 72 MiB, on 2026-11-29) is out of the tree
+    # in a session, which moves it to .devcache: here it is not the inbox, so leave it out.
+    tree_mib = gs.tree_mib
+    monkeypatch.setattr(gs, "tree_mib", lambda *staged: tree_mib(*staged, gs.INBOX))
     gs.main(["prepare", "--only", "tq/*", "--queue-file", q, "--travel", str(travel),
              f"--inbox={paths['inbox']}", f"--staged={paths['staged']}", *caches])
     assert not paths["compile_cache"].exists() and paths["staged_cache"].is_dir()
