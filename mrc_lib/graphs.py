@@ -25,9 +25,9 @@ shape is recorded, then replayed like every later one. The recordings share one 
 they replay one after another, and nothing of one outlives its replay but the loss, which is
 copied at once. A recording that fails (an operation that cannot be captured, or memory) turns
 graphs off for the rest of the run, with torch's reason in :attr:`GraphedStep.failed`, and so
-does a warm-up that runs out of memory (the pool holds the memory of every recording so far:
-on the H200 on 2026-11-29, 22.9 GiB after DecaProp's 100 shapes): the recordings are dropped,
-their pool given back, and the steps run eagerly on the current stream, as without
+does a warm-up that runs out of memory (the pool holds the memory of every recording so far,
+one per batch shape: DecaProp's held 22.9 GiB on the H200 on 2026-11-29): the recordings are
+dropped, their pool given back, and the steps run eagerly on the current stream, as without
 ``cuda_graphs``.
 """
 
