@@ -277,7 +277,7 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
     for record, state in rows:
         epochs = record["config"].get("epochs")
         table.append(
-            [record["run"], state, f"{record['device']} ({records.precision(record)})",
+            [record["run"], state, records.trained_on(record),
              f"{record.get('epochs_run')} of {epochs}" if epochs else record.get("epochs_run")]
             + [(record.get("dev") or {}).get(k) for k, _ in names] + [record.get("best_epoch")]
             + [(record.get("best_dev") or {}).get(k) for k, _ in names]

@@ -3,16 +3,17 @@
 A record is one JSON file, ``book/runs/<chapter>/<run>.json`` for a full-profile run (committed)
 and ``<run folder>/record.json`` for any other profile (under ``runs/``, not committed, so that
 smoke runs never churn the book). It holds the trainer's metrics (final and per-epoch dev
-scores, train loss, seconds per epoch, parameters, device, torch/CUDA versions, commit, data
-digests, the resolved config and the reader's ``analysis`` payload) plus the chapter, the run's
-name, the training-loss curve (at most :data:`CURVE_POINTS` points of ``log.jsonl``), the run's
-config hash, the training examples per second and the wall time (training plus evaluation
-seconds, summed over every session that resumed it); predictions are never in it. It is
-written atomically and must stay under :data:`MAX_BYTES`. A run stopped before the end of its
-schedule (a GPU session's deadline) has a partial record, ``complete: false``: it counts as
-progress, never as a result (:func:`finished`). A record that one of another config replaces
-is kept, when it holds an epoch, under ``earlier/`` beside it (:func:`keep_earlier`): the
-result a run wrote is never lost to a change of config.
+scores, train loss, seconds per epoch, parameters, device, torch/CUDA versions, commit, where
+each session that trained it ran (:func:`trained_on`), data digests, the resolved config and
+the reader's ``analysis`` payload) plus the chapter, the run's name, the training-loss curve
+(at most :data:`CURVE_POINTS` points of ``log.jsonl``), the run's config hash, the training
+examples per second and the wall time (training plus evaluation seconds, summed over every
+session that resumed it); predictions are never in it. It is written atomically and must stay
+under :data:`MAX_BYTES`. A run stopped before the end of its schedule (a GPU session's
+deadline) has a partial record, ``complete: false``: it counts as progress, never as a result
+(:func:`finished`). A record that one of another config replaces is kept, when it holds an
+epoch, under ``earlier/`` beside it (:func:`keep_earlier`): the result a run wrote is never
+lost to a change of config.
 
 At the full profile a notebook's ``run.train(name, cfg, data)`` returns the record of ``name``
 instead of training when its config hash and data digests equal the new run's
@@ -294,11 +295,39 @@ def has_rnns(config: dict) -> bool:
         _has_rnns(config["model"], json.dumps(config.get("hparams", {}), sort_keys=True))
 
 
+def trained_on(record: dict) -> str:
+    """Where a run trained and in what precision (:func:`precision`): ``NVIDIA H200 (bf16)``;
+    for a run whose sessions (``sessions``, :class:`mrc_lib.train.Progress`) trained on more
+    than one device, each device with the steps it took: ``NVIDIA H200 (bf16) for steps
+    1-1854 and Intel(R) Xeon(R) Processor (fp32) for steps 1855-7575``. A record older than
+    ``sessions`` names the device of the session that wrote it, as it did then."""
+    def where(session: dict) -> str:
+        if session.get("device") is None:
+            return "an unrecorded device"
+        return f"{session['device']} ({precision({'config': record['config'], **session})})"
+
+    sessions = record.get("sessions")
+    if not sessions:
+        return where(record)
+    spans: list[list] = []  # [where, first step, last step] of consecutive sessions
+    for session, after in zip(sessions, [*sessions[1:], None]):
+        first, last = session["step"] + 1, after["step"] if after else record["steps"]
+        if last < first:  # a session that took no step (it evaluated or stopped at once)
+            continue
+        if spans and spans[-1][0] == where(session):
+            spans[-1][2] = last
+        else:
+            spans.append([where(session), first, last])
+    if len(spans) < 2:
+        return spans[0][0] if spans else where(sessions[-1])
+    return " and ".join(f"{name} for steps {first}-{last}" for name, first, last in spans)
+
+
 def provenance(record: dict) -> str:
-    """Where and how a run was trained, for a table caption: device and precision, schedule,
-    profile."""
+    """Where and how a run was trained, for a table caption: device and precision
+    (:func:`trained_on`), schedule, profile."""
     cfg = record["config"]
     steps = f", {record['steps']} steps" if cfg.get("max_steps") else ""
-    return (f"{record['device']} ({precision(record)}), {record['epochs_run']} epoch(s) of "
+    return (f"{trained_on(record)}, {record['epochs_run']} epoch(s) of "
             f"batch {cfg['batch_size']}{steps}, {cfg['optimizer']}, "
             f"profile {record.get('profile')}")

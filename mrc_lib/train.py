@@ -562,6 +562,9 @@ class Progress:
     best: dict | None = None  # the best evaluation: {"epoch", "score", "dev", "test"}
     log_bytes: int = 0  # size of log.jsonl when the checkpoint was written
     peak_memory_bytes: int = 0  # the highest peak of the run's processes up to the checkpoint
+    # Where each session that trained the run ran, from its first step (:meth:`Trainer.start`);
+    # a checkpoint older than this list starts it with an unrecorded device at step 0.
+    sessions: list[dict] = field(default_factory=list)
 
 
 class Trainer:
@@ -636,6 +639,7 @@ class Trainer:
         elif self.checkpoint_path.exists():
             raise UserError(f"{self.out} already holds a run; pass --resume to continue it or "
                             "choose another --out")
+        self._add_session()
         if self.process.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             with open(self.out / "log.jsonl", "a+b") as log:
@@ -643,6 +647,17 @@ class Trainer:
             atomic_write_json(self.out / "config.json", self.cfg.to_dict())
             if isinstance(self.data.vocab, Vocab):  # the SQuAD vocabulary: predict reloads it
                 self.data.vocab.save(self.out / "vocab")
+
+    def _add_session(self) -> None:
+        """Note in the progress where this session trains, from the step it starts at."""
+        sessions = self.progress.sessions
+        if not sessions and self.progress.global_step:
+            sessions.append({"step": 0, "device": None})  # trained before sessions were noted
+        sessions.append({"step": self.progress.global_step, "device": device_name(self.device),
+                         "device_type": self.device.type,
+                         "rnn_precision": rnn_precision(self.model, self.device),
+                         "torch": str(torch.__version__), "cuda": torch.version.cuda,
+                         "git_commit": self.commit})
 
     def _check_resumable(self, saved: dict) -> None:
         """Refuse a resume whose config differs from the checkpoint's in more than
@@ -870,7 +885,7 @@ class Trainer:
             "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": self.commit,
             "complete": self._finished_all(),
             "data_digests": self.data.digests, "config": cfg.to_dict(),
-            "history": progress.history,
+            "history": progress.history, "sessions": progress.sessions,
             **({"analysis": self.analysis} if self.analysis is not None else {}),
         }
 

@@ -70,6 +70,28 @@ def test_provenance_names_the_precision_a_run_computed_in():
     assert records.precision({**ea, "rnn_precision": None}) == "bf16"
 
 
+def test_a_run_trained_on_several_devices_names_each_with_its_steps():
+    """The sessions of a run (mrc_lib.train.Progress.sessions) that trained on more than one
+    device: each device and precision with the steps it took, consecutive sessions on the same
+    one joined, a session that took no step left out; one device reads as before."""
+    config = {"bf16": True, "batch_size": 32, "optimizer": "adam"}
+    h200 = {"device": "NVIDIA H200", "device_type": "cuda", "rnn_precision": None}
+    xeon = {"device": "Intel Xeon", "device_type": "cpu", "rnn_precision": None}
+    record = {**h200, "steps": 3000, "config": config, "epochs_run": 2, "profile": "full",
+              "sessions": [{"step": 0, **h200}, {"step": 900, **h200}, {"step": 1854, **xeon},
+                           {"step": 2000, **xeon}, {"step": 3000, **h200}]}
+    assert records.trained_on(record) == \
+        "NVIDIA H200 (bf16) for steps 1-1854 and Intel Xeon (fp32) for steps 1855-3000"
+    assert records.provenance(record).startswith(records.trained_on(record) + ", 2 epoch(s)")
+    old = {**record, "sessions": [{"step": 0, "device": None}, {"step": 1854, **xeon}]}
+    assert records.trained_on(old) == \
+        "an unrecorded device for steps 1-1854 and Intel Xeon (fp32) for steps 1855-3000"
+    one = {**record, "sessions": [{"step": 0, **xeon}, {"step": 10, **xeon}]}
+    assert records.trained_on(one) == "Intel Xeon (fp32)"
+    before = {k: v for k, v in record.items() if k != "sessions"}  # a record older than them
+    assert records.trained_on(before) == "NVIDIA H200 (bf16)"
+
+
 def test_a_record_keeps_each_list_of_plain_values_on_one_line(tmp_path):
     """Records travel to every GPU session with the tree: a row of an attention map is one
     line, not one line per number; the JSON is the same."""

@@ -31,7 +31,7 @@ from mrc_lib.data.vocab import Vocab
 from mrc_lib.errors import UserError
 from mrc_lib.models import build_model, hparam_defaults, register
 from mrc_lib.nn import mask_logits
-from mrc_lib.utils import write_parts
+from mrc_lib.utils import git_commit, write_parts
 
 WORDS = [f"w{k}" for k in range(40)]
 
@@ -649,6 +649,35 @@ def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkey
         assert resumed[key] == whole[key]
     for a, b in zip(resumed["history"], whole["history"], strict=True):
         assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+
+
+def test_each_session_notes_where_it_trained_from_its_first_step(tmp_path, data, monkeypatch):
+    """A run resumed on another machine names both (records.trained_on): every session adds
+    its device, device type, RNN precision, torch, CUDA and commit at the step it starts from;
+    a checkpoint older than the list starts it with an unrecorded device at step 0."""
+    cfg = toy_config(epochs=2, checkpoint_every=None)
+    steps = iter(range(1, 100))
+    monkeypatch.setattr(engine.time, "time", lambda: next(steps))
+    cut = engine.train(cfg, tmp_path / "cut", data=data, deadline=2)
+    monkeypatch.undo()
+    first = {"step": 0, "device": engine.device_name(torch.device("cpu")), "device_type": "cpu",
+             "rnn_precision": None, "torch": str(torch.__version__), "cuda": torch.version.cuda,
+             "git_commit": git_commit()}
+    assert cut["sessions"] == [first]
+    monkeypatch.setattr(engine, "device_name", lambda device: "Another CPU")
+    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
+    assert resumed["sessions"] == [first, {**first, "step": 2, "device": "Another CPU"}]
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["progress"]["sessions"] == \
+        resumed["sessions"]
+    # A checkpoint written before sessions were noted.
+    path = tmp_path / "cut" / "checkpoint.pt"
+    state = load_checkpoint(path)
+    del state["progress"]["sessions"]
+    save_checkpoint(path, state)
+    again = engine.train(toy_config(epochs=3, checkpoint_every=None), tmp_path / "cut",
+                         resume=True, data=data)
+    assert [s["step"] for s in again["sessions"]] == [0, resumed["steps"]]
+    assert again["sessions"][0] == {"step": 0, "device": None}
 
 
 def test_peak_memory_is_the_highest_of_the_sessions_a_run_spans(tmp_path, data, monkeypatch):
