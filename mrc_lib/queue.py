@@ -44,6 +44,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -59,6 +60,7 @@ from mrc_lib.utils import (
     atomic_write_json,
     cut_parts,
     join_parts,
+    on_stop_signals,
     select_keys,
     slug,
 )
@@ -449,7 +451,7 @@ def work(job: Job, out: Path, deadline: float | None, profile: str = "full",
         key = engine.compile_key(cfg, engine.resolve_device(cfg.device))
         print("compile cache:", engine.load_compile_cache(Path(cache), key), flush=True)
     metrics = engine.train(cfg, folder, resume=(folder / "checkpoint.pt").exists(), data=data,
-                           deadline=deadline)
+                           deadline=deadline, signals=True)
     if cache:
         print("compile cache:", engine.save_compile_cache(Path(cache), key), flush=True)
     trained = time.time()
@@ -498,7 +500,12 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
     reaches the next command only as its carry-over); return each started job's exit status
     (0: complete or cleanly stopped). Each start and end is logged with the seconds since the
     call began: against the records' ``wall_seconds`` (the trainer's time), a log shows what
-    each worker spent beside its trainer and how long a slot stood idle."""
+    each worker spent beside its trainer and how long a slot stood idle.
+
+    SIGTERM or SIGINT (Ctrl-C) stops the runner as its deadline would: it starts nothing more
+    and sends its workers SIGTERM, which stops each trainer after its step with a checkpoint
+    (:func:`mrc_lib.train.stopped_by_signals`; a worker still loading its data ends at once),
+    then waits for them. A second SIGINT interrupts at once."""
     began = time.time()
     deadline = began + 60 * minutes - reserve
     todo = pending(jobs, out, profile)
@@ -506,45 +513,62 @@ def run_queue(jobs: list[Job], out: Path, minutes: float, parallel: int = 1,
     running: dict[str, tuple[subprocess.Popen, object]] = {}
     started: dict[str, float] = {}  # time.time() at each worker's start
     codes: dict[str, int] = {}
+    stopping: list[str] = []  # the signals that came
+    told: set[str] = set()  # the workers already sent SIGTERM
+
+    def stop(signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if name == "SIGINT" and name in stopping:
+            raise KeyboardInterrupt
+        stopping.append(name)
+
     out.mkdir(parents=True, exist_ok=True)
-    while todo or running:
-        while len(running) < parallel and time.time() < deadline:
-            left = (deadline - time.time()) / 60
-            job = next((j for j in todo if startable(j, out, left, carry)), None)
-            if job is None:
+    with on_stop_signals(stop):
+        while todo or running:
+            while len(running) < parallel and time.time() < deadline and not stopping:
+                left = (deadline - time.time()) / 60
+                job = next((j for j in todo if startable(j, out, left, carry)), None)
+                if job is None:
+                    break
+                todo.remove(job)
+                log(f"start {job.key} (priority {job.priority}, ~{job.entry.minutes:.0f} min) "
+                    f"at {time.time() - began:.0f} s")
+                folder = out / job.entry.chapter / job.name
+                folder.mkdir(parents=True, exist_ok=True)
+                log_file = open(folder / "worker.log", "ab")  # noqa: SIM115 (closed when it ends)
+                started[job.key] = time.time()
+                running[job.key] = (subprocess.Popen(
+                    [sys.executable, "-m", "mrc_lib", "queue", "work", "--out", str(out),
+                     "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
+                     "--profile", profile, *(f"--set={s}" for s in settings),
+                     *(f"--set={s}" for s in GRAPH_SETTINGS if job.entry.model in graphed)],
+                    stdout=log_file, stderr=subprocess.STDOUT,
+                    env=worker_env(job, parallel, graphed)), log_file)
+            if not running:
                 break
-            todo.remove(job)
-            log(f"start {job.key} (priority {job.priority}, ~{job.entry.minutes:.0f} min) "
-                f"at {time.time() - began:.0f} s")
-            folder = out / job.entry.chapter / job.name
-            folder.mkdir(parents=True, exist_ok=True)
-            log_file = open(folder / "worker.log", "ab")  # noqa: SIM115 (closed when it ends)
-            started[job.key] = time.time()
-            running[job.key] = (subprocess.Popen(
-                [sys.executable, "-m", "mrc_lib", "queue", "work", "--out", str(out),
-                 "--file", str(queue_file), "--job", job.key, "--deadline", str(deadline),
-                 "--profile", profile, *(f"--set={s}" for s in settings),
-                 *(f"--set={s}" for s in GRAPH_SETTINGS if job.entry.model in graphed)],
-                stdout=log_file, stderr=subprocess.STDOUT,
-                env=worker_env(job, parallel, graphed)), log_file)
-        if not running:
-            break
-        time.sleep(0.2)
-        for key, (proc, log_file) in list(running.items()):
-            if proc.poll() is not None:
-                codes[key] = proc.returncode
-                log_file.close()
-                del running[key]
-                job = find_job(jobs, key)
-                now = time.time()
-                log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
-                    f"(exit {proc.returncode}; log {out / key / 'worker.log'}) "
-                    f"at {now - began:.0f} s"
-                    + worker_times(progress_of(job, out), started[key], now))
-                if carry is not None and state_of(job, out, profile)[0] == "done":
-                    carry.release(job)
+            time.sleep(0.2)
+            for key, (proc, _) in running.items():
+                if stopping and key not in told:
+                    if not told:
+                        log(f"{stopping[0]} at {time.time() - began:.0f} s: stopping the workers "
+                            "with checkpoints")
+                    proc.send_signal(signal.SIGTERM)
+                    told.add(key)
+            for key, (proc, log_file) in list(running.items()):
+                if proc.poll() is not None:
+                    codes[key] = proc.returncode
+                    log_file.close()
+                    del running[key]
+                    job = find_job(jobs, key)
+                    now = time.time()
+                    log(f"{'ended' if proc.returncode == 0 else 'FAILED'} {key} "
+                        f"(exit {proc.returncode}; log {out / key / 'worker.log'}) "
+                        f"at {now - began:.0f} s"
+                        + worker_times(progress_of(job, out), started[key], now))
+                    if carry is not None and state_of(job, out, profile)[0] == "done":
+                        carry.release(job)
     for job in todo:
-        why = "too long for what was left"
+        why = f"stopped by {stopping[0]}" if stopping else "too long for what was left"
         if carry is not None and job.key in carry.refused:
             why += (f", and its {carry.refused[job.key] / 2**20:.1f} MiB checkpoint would not "
                     f"fit the {carry_mib:g} MiB carried on")

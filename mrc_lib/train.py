@@ -13,9 +13,10 @@ A run lives in one directory ``OUT``:
 * ``checkpoint.pt``: everything needed to resume exactly (trainable weights, averaged weights,
   optimizer, schedule, random-number states, position in the data, history; not the fixed GloVe
   rows, which are rebuilt from the data), written atomically every ``checkpoint_every`` steps,
-  at each epoch end (unless ``epoch_checkpoints`` is off) and when a ``deadline`` stops the
-  run, as a manifest and parts of at most
-  15 MiB, packed losslessly to about 0.84 of its size (:func:`mrc_lib.checkpoint.save_checkpoint`);
+  at each epoch end (unless ``epoch_checkpoints`` is off) and when a ``deadline`` or a signal
+  (SIGTERM, Ctrl-C: :func:`stopped_by_signals`) stops the run, as a manifest and parts of at
+  most 15 MiB, packed losslessly to about 0.84 of its size
+  (:func:`mrc_lib.checkpoint.save_checkpoint`);
 * ``metrics.json``, ``predictions.json`` (``na_prob.json`` for readers with a no-answer head),
   ``model.pt`` (averaged weights) and, for the SQuAD tasks, ``vocab/``: the latest epoch's
   results, enough for :func:`predict_cli`.
@@ -35,6 +36,7 @@ import math
 import os
 import platform
 import resource
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -67,7 +69,13 @@ from mrc_lib.nn.embedding import WordEmbedding
 from mrc_lib.nn.rnn import has_rnn_layers
 from mrc_lib.records import UNHASHED, json_hash
 from mrc_lib.tasks import get_task
-from mrc_lib.utils import atomic_path, atomic_write_bytes, atomic_write_json, git_commit
+from mrc_lib.utils import (
+    atomic_path,
+    atomic_write_bytes,
+    atomic_write_json,
+    git_commit,
+    on_stop_signals,
+)
 
 # Config keys that may differ when a run is resumed; any other change is refused: those that
 # change how a run is computed, not what (the keys its record's hash leaves out), and its length.
@@ -575,7 +583,8 @@ class Trainer:
                  device: torch.device, deadline: float | None = None):
         self.cfg, self.out, self.data = cfg, out, data
         self.deadline = deadline  # time.time() at which to checkpoint and stop
-        self.stopped = False  # the deadline stopped the run
+        self.signalled: str | None = None  # a signal's name: checkpoint and stop at once
+        self.stopped = False  # the deadline or a signal stopped the run
         self.process, self.device = process, device
         self.task = get_task(cfg.task)
         self.model = build_model(cfg.model, data.vocab, **cfg.hparams).to(device)
@@ -725,7 +734,8 @@ class Trainer:
                     self._checkpoint()
                 if self._out_of_steps():
                     return progress.step_in_epoch == steps
-                if self.deadline is not None and time.time() >= self.deadline:
+                if self.signalled or (self.deadline is not None and
+                                      time.time() >= self.deadline):
                     self._stop()
                     return False
         return True
@@ -773,12 +783,18 @@ class Trainer:
             save_checkpoint(self.checkpoint_path, self.state_dict(), PART_BYTES)
 
     def _stop(self) -> None:
-        """The deadline has passed: checkpoint where the run stands (a resume continues it
-        exactly) and stop."""
+        """The deadline has passed, or a signal came: checkpoint where the run stands (a resume
+        continues it exactly) and stop."""
         self._tick()
         self._checkpoint()
         self.stopped = True
-        self._log({"event": "deadline", "step": self.progress.global_step})
+        step = self.progress.global_step
+        if self.signalled:
+            self._log({"event": "signal", "signal": self.signalled, "step": step})
+            print(f"{self.signalled}: stopped at step {step} with a checkpoint in {self.out}; "
+                  "--resume continues it", file=sys.stderr, flush=True)
+        else:
+            self._log({"event": "deadline", "step": step})
 
     def _end_epoch(self, finished: bool) -> None:
         """Evaluate the averaged weights on dev (and test, where the task's data has one),
@@ -896,11 +912,12 @@ def load_data(cfg: TrainConfig):
 
 
 def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None,
-          deadline: float | None = None) -> dict:
+          deadline: float | None = None, signals: bool = False) -> dict:
     """Train per ``cfg`` into directory ``out`` (continuing its checkpoint if ``resume``) and
-    return the metrics (``complete`` is false when ``deadline``, a ``time.time()``, stopped the
-    run first: it then resumes from its checkpoint). ``data`` defaults to :func:`load_data`;
-    under ``torchrun`` this joins the process group (NCCL on CUDA, Gloo on CPU)."""
+    return the metrics (``complete`` is false when ``deadline``, a ``time.time()``, or with
+    ``signals`` a SIGTERM or Ctrl-C (:func:`stopped_by_signals`) stopped the run first: it then
+    resumes from its checkpoint). ``data`` defaults to :func:`load_data`; under ``torchrun``
+    this joins the process group (NCCL on CUDA, Gloo on CPU)."""
     process = Process.from_env()
     if deadline is not None and process.world_size > 1:
         raise UserError("a deadline stops single-process runs only (processes would disagree "
@@ -916,10 +933,30 @@ def train(cfg: TrainConfig, out: str | Path, *, resume: bool = False, data=None,
         data = data if data is not None else load_data(cfg)
         trainer = Trainer(cfg, Path(out), data, process, device, deadline)
         trainer.start(resume)
-        return trainer.fit()
+        stoppable = signals and process.world_size == 1
+        with stopped_by_signals(trainer) if stoppable else contextlib.nullcontext():
+            return trainer.fit()
     finally:
         if joined:
             dist.destroy_process_group()
+
+
+def stopped_by_signals(trainer: Trainer):
+    """While ``trainer`` trains, SIGTERM or SIGINT (Ctrl-C) stops it as a deadline would: after
+    the step under way, with a checkpoint that a resume continues exactly (the packed runner
+    sends its workers SIGTERM when it is stopped itself). A second SIGINT interrupts at once.
+    For the command line's single-process runs (``train``, the runner's workers): processes
+    would disagree on the step to stop at, and a notebook's interrupt stops its cell."""
+    interrupts = []
+
+    def stop(signum, frame) -> None:
+        if signum == signal.SIGINT:
+            if interrupts:
+                raise KeyboardInterrupt
+            interrupts.append(signum)
+        trainer.signalled = trainer.signalled or signal.Signals(signum).name
+
+    return on_stop_signals(stop)
 
 
 def train_cli(args) -> dict:
@@ -938,7 +975,7 @@ def train_cli(args) -> dict:
             raise UserError(f"{out} is a run of model {saved.get('model')!r}, not "
                             f"{args.model!r}")
         cfg = apply_overrides(saved, args.config, args.overrides)
-    metrics = train(cfg, out, resume=args.resume)
+    metrics = train(cfg, out, resume=args.resume, signals=True)
     if args.record and metrics["complete"] and Process.from_env().is_main:
         records.write_record(args.record, records.make_record(
             metrics, chapter=args.chapter, run=args.run or out.name, log_path=out / "log.jsonl"))

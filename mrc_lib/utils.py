@@ -9,8 +9,10 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 from mrc_lib.errors import UserError
@@ -42,6 +44,25 @@ def _new_file_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o666 & ~mask
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def on_stop_signals(handler):
+    """Call ``handler(signum, frame)`` on SIGTERM and SIGINT (Ctrl-C) while the block runs, then
+    restore the handlers before it; a no-op outside the main thread, where handlers cannot be
+    set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, previous in before.items():
+            signal.signal(s, previous)
 
 
 def select_keys(items: list, patterns: list[str] | None, what: str) -> list:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -159,6 +163,39 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     assert queue.import_records(gpu) == [book / "tq" / "bidaf_seed0.json"]
     assert not records.read_record(book / "tq" / "bidaf_seed0.json")["complete"]
     assert records.earlier("tq", "bidaf_seed0", book) == [json.loads(finished)]
+
+
+def test_a_stopped_runner_stops_its_workers_with_checkpoints(mirror, tmp_path):
+    """SIGTERM to the runner (or Ctrl-C) reaches its workers: each trainer checkpoints after its
+    step and exits cleanly, leaving a partial record, and nothing more starts."""
+    path = write_queue(tmp_path, {"tq": [
+        {"run": "long_seed{seed}", "model": "bidaf", "seeds": [0, 1], "priority": 1,
+         "minutes": 1, "schedule": "longer than the test", "overrides": [*TINY, "epochs=500"]}]})
+    jobs = queue.load_queue(path)
+    out = tmp_path / "q"
+    log = out / "tq" / "long_seed0" / "log.jsonl"
+
+    def stop_when_training() -> None:  # the runner's main thread handles the signal
+        waited = time.time() + 300
+        while time.time() < waited and '"step"' not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_training, daemon=True).start()
+    lines = []
+    codes = queue.run_queue(jobs, out, minutes=10, parallel=1, reserve=0, profile="smoke",
+                            queue_file=path, log=lines.append)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert codes == {jobs[0].key: 0}
+    assert re.fullmatch(r"SIGTERM at \d+ s: stopping the workers with checkpoints", lines[1])
+    assert lines[2].startswith(f"ended {jobs[0].key} (exit 0;")
+    assert lines[3] == f"not started {jobs[1].key}: ~1 min, stopped by SIGTERM"
+    record = queue.record_of(jobs[0], out, "smoke", complete=False)
+    assert record["complete"] is False and record["steps"] >= 1
+    assert queue.state_of(jobs[0], out, "smoke")[0] == "partial"
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1] == {"event": "signal", "signal": "SIGTERM", "step": record["steps"]}
+    assert "SIGTERM: stopped at step" in (log.parent / "worker.log").read_text()
 
 
 def _runner_folder(out: Path) -> tuple[Path, Path]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import signal
 from argparse import Namespace
 from pathlib import Path
 
@@ -649,6 +651,60 @@ def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkey
         assert resumed[key] == whole[key]
     for a, b in zip(resumed["history"], whole["history"], strict=True):
         assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+
+
+def signal_after(monkeypatch, step: int, signum: int, times: int = 1) -> None:
+    """Send this process ``signum`` (``times`` times) right after training step ``step``."""
+    taken = iter(range(1, 100))
+    original = engine.Trainer._step
+
+    def step_then_signal(self, batch):
+        loss = original(self, batch)
+        if next(taken) == step:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return loss
+
+    monkeypatch.setattr(engine.Trainer, "_step", step_then_signal)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_cleanly_after_its_step_and_the_resume_is_exact(
+        tmp_path, data, monkeypatch, capsys, signum):
+    """SIGTERM (the packed runner stopped) or Ctrl-C stops a run as a deadline does."""
+    cfg = toy_config(epochs=2, checkpoint_every=None)
+    whole = engine.train(cfg, tmp_path / "whole", data=data)
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)]
+    signal_after(monkeypatch, 3, signum)
+    cut = engine.train(cfg, tmp_path / "cut", data=data, signals=True)
+    monkeypatch.undo()
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == before
+    assert not cut["complete"] and cut["steps"] == 3
+    assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["progress"]["global_step"] == 3
+    name = signal.Signals(signum).name
+    events = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text()
+              .splitlines()]
+    assert events[-1] == {"event": "signal", "signal": name, "step": 3}
+    assert f"{name}: stopped at step 3 with a checkpoint in {tmp_path / 'cut'}; --resume" \
+        in capsys.readouterr().err
+    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
+    assert resumed["complete"]
+    for key in ("dev", "best_dev", "steps"):
+        assert resumed[key] == whole[key]
+    for a, b in zip(resumed["history"], whole["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+
+
+@pytest.mark.parametrize("signals, times", [(True, 2), (False, 1)])
+def test_a_second_ctrl_c_or_one_in_a_notebook_interrupts_at_once(tmp_path, data, monkeypatch,
+                                                                 signals, times):
+    """Only the command line's runs stop on signals: a notebook's interrupt stops its cell."""
+    cfg = toy_config(epochs=2, checkpoint_every=None)
+    signal_after(monkeypatch, 2, signal.SIGINT, times=times)
+    with pytest.raises(KeyboardInterrupt):
+        engine.train(cfg, tmp_path, data=data, signals=signals)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert not (tmp_path / "checkpoint.pt").exists()
 
 
 def test_each_session_notes_where_it_trained_from_its_first_step(tmp_path, data, monkeypatch):
