@@ -630,6 +630,20 @@ def test_checkpoints_leave_out_the_fixed_vectors_and_resume(mirror, tmp_path):
     assert engine.train(longer, tmp_path, resume=True, data=data)["steps"] == 3
 
 
+def last_event(run: Path) -> dict:
+    return json.loads((run / "log.jsonl").read_text().splitlines()[-1])
+
+
+def assert_resumes_as_whole(cfg: TrainConfig, run: Path, data, whole: dict) -> None:
+    """Resumed to its end, the stopped ``run`` has the uninterrupted run's results."""
+    resumed = engine.train(cfg, run, resume=True, data=data)
+    assert resumed["complete"]
+    for key in ("dev", "best_dev", "steps"):
+        assert resumed[key] == whole[key]
+    for a, b in zip(resumed["history"], whole["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+
+
 @pytest.mark.parametrize("stop_at", [1, 4])  # mid-epoch; the epoch's last step, before its eval
 def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkeypatch, stop_at):
     cfg = toy_config(epochs=2, checkpoint_every=None)
@@ -642,15 +656,8 @@ def test_a_deadline_stops_cleanly_and_the_resume_is_exact(tmp_path, data, monkey
     assert not cut["complete"] and cut["steps"] == stop_at and cut["history"] == []
     state = load_checkpoint(tmp_path / "cut" / "checkpoint.pt")
     assert state["progress"]["global_step"] == stop_at
-    events = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text()
-              .splitlines()]
-    assert events[-1] == {"event": "deadline", "step": stop_at}
-    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
-    assert resumed["complete"]
-    for key in ("dev", "best_dev", "steps"):
-        assert resumed[key] == whole[key]
-    for a, b in zip(resumed["history"], whole["history"], strict=True):
-        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+    assert last_event(tmp_path / "cut") == {"event": "deadline", "step": stop_at}
+    assert_resumes_as_whole(cfg, tmp_path / "cut", data, whole)
 
 
 def signal_after(monkeypatch, step: int, signum: int, times: int = 1) -> None:
@@ -682,17 +689,10 @@ def test_a_signal_stops_cleanly_after_its_step_and_the_resume_is_exact(
     assert not cut["complete"] and cut["steps"] == 3
     assert load_checkpoint(tmp_path / "cut" / "checkpoint.pt")["progress"]["global_step"] == 3
     name = signal.Signals(signum).name
-    events = [json.loads(line) for line in (tmp_path / "cut" / "log.jsonl").read_text()
-              .splitlines()]
-    assert events[-1] == {"event": "signal", "signal": name, "step": 3}
+    assert last_event(tmp_path / "cut") == {"event": "signal", "signal": name, "step": 3}
     assert f"{name}: stopped at step 3 with a checkpoint in {tmp_path / 'cut'}; --resume" \
         in capsys.readouterr().err
-    resumed = engine.train(cfg, tmp_path / "cut", resume=True, data=data)
-    assert resumed["complete"]
-    for key in ("dev", "best_dev", "steps"):
-        assert resumed[key] == whole[key]
-    for a, b in zip(resumed["history"], whole["history"], strict=True):
-        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+    assert_resumes_as_whole(cfg, tmp_path / "cut", data, whole)
 
 
 @pytest.mark.parametrize("signals, times", [(True, 2), (False, 1)])
