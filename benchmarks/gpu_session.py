@@ -973,8 +973,10 @@ def import_session(args) -> list[str]:
         shutil.rmtree(args.inbox, ignore_errors=True)
         carry = summary.get("carry_mib", queue.CARRY_MIB)
         # The partial runs alone: book/runs, which travels with the tree, has every record.
+        # Cut unit by unit: git stores a run that has not changed since once.
         kept, _, n = queue.carry_over(args.runner, args.inbox, int(carry * 2**20),
-                                      summary.get("carry_bundles", 1), records=False)
+                                      summary.get("carry_bundles", 1), records=False,
+                                      by_unit=True)
         shutil.rmtree(staged, ignore_errors=True)  # the carry-over it was sent is spent
         if kept:
             lines.append(f"carry-over {args.inbox} ({n} bundle(s)): commit it")

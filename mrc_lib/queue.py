@@ -780,27 +780,37 @@ def _tar(out: Path, files: list[Path]) -> bytes:
     return buffer.getvalue()
 
 
-def _layout(units: list[tuple[str, bytes]], budget: int) -> tuple[dict, bytes]:
+def _layout(units: list[tuple[str, bytes]], budget: int,
+            by_unit: bool = False) -> tuple[dict, bytes]:
     """A transfer of ``units`` (name, tar): their tars one after another, a stream that fills
-    bundles of ``budget`` bytes to the brim, each cut into pieces of at most 15 MiB,
-    ``queue.<bundle>.<piece>``; so ``k`` bundles hold ``k * budget`` bytes of units, and a
-    bundle is at most four pieces and its listing, whatever the units' sizes (a reply brings
-    back eight files). Returns the listing (each unit's place in the stream and checksum,
-    each piece's bundle, place and checksum) and the stream."""
+    bundles of ``budget`` bytes to the brim, so ``k`` bundles hold ``k * budget`` bytes of
+    units, each bundle cut into pieces of at most 15 MiB, ``queue.<bundle>.<piece>``: four at
+    most, whatever the units' sizes (a reply brings back eight files: a bundle's pieces, its
+    listing and ``session.tar``). ``by_unit`` (for a carry-over committed to git, which no
+    reply brings back) also cuts where each unit begins, so that a unit that has not changed
+    is the same pieces wherever it lies in its bundle, and git stores them once. Returns the
+    listing (each unit's place in the stream and checksum, each piece's bundle, place and
+    checksum) and the stream."""
     stream = b"".join(blob for _, blob in units)
     listing = {"units": [], "pieces": []}
+    bundles = range(0, max(len(stream), 1), budget)
+    cuts = set(bundles)  # where a piece begins
     offset = 0
     for name, blob in units:
         listing["units"].append({"unit": name, "offset": offset, "bytes": len(blob),
                                  "sha256": hashlib.sha256(blob).hexdigest()})
+        if by_unit and offset < len(stream):
+            cuts.add(offset)
         offset += len(blob)
-    starts = range(0, max(len(stream), 1), budget)
-    for bundle, start in enumerate(starts, 1):
-        for piece, _ in cut_parts(stream[start:start + budget], f"queue.{bundle:03d}",
-                                  PIECE_BYTES):
-            listing["pieces"].append(piece | {"bundle": bundle, "offset": start})
+    cuts = sorted(cuts)
+    for start, end in zip(cuts, [*cuts[1:], len(stream)]):
+        bundle = start // budget + 1
+        first = sum(p["bundle"] == bundle for p in listing["pieces"])
+        for k, (piece, _) in enumerate(cut_parts(stream[start:end], "", PIECE_BYTES), first):
+            listing["pieces"].append(piece | {"name": f"queue.{bundle:03d}.{k:03d}",
+                                              "bundle": bundle, "offset": start})
             start += piece["bytes"]
-    listing["bundles"] = len(starts)
+    listing["bundles"] = len(bundles)
     return listing, stream
 
 
@@ -824,15 +834,15 @@ def _tars(out: Path, records: bool) -> list[tuple[str, bytes]]:
 
 
 def pack(out: Path, dest: Path, bundle: int = 1, budget: int = PACK_BUDGET,
-         records: bool = True) -> tuple[list[Path], int]:
+         records: bool = True, by_unit: bool = False) -> tuple[list[Path], int]:
     """Write bundle ``bundle`` of ``out``'s transfer (:func:`_layout` of its units,
     :func:`_units`, in bundles of ``budget`` bytes, 60 MiB being what may come back from the
     GPU machine per command) into ``dest``; return the files written and the number of
     bundles. A partial run larger than one command's transfer (PhaseCond's checkpoint packs to
     about 95 MiB) travels over several. Every bundle holds ``queue.json``, the whole listing,
     so that :func:`unpack` can check that its bundles belong together. ``out`` must not change
-    between the commands that write one pack's bundles."""
-    listing, stream = _layout(_tars(out, records), budget)
+    between the commands that write one pack's bundles. ``by_unit``: see :func:`_layout`."""
+    listing, stream = _layout(_tars(out, records), budget, by_unit)
     if not 1 <= bundle <= listing["bundles"]:
         raise UserError(f"{out}: its pack has {listing['bundles']} bundle(s); there is no "
                         f"bundle {bundle}")
@@ -850,13 +860,14 @@ def bundles_in(folder: Path) -> list[Path]:
 
 
 def carry_over(out: Path, dest: Path, budget: int, bundles: int = 1, records: bool = True,
-               which: list[int] | None = None) -> tuple[list[str], list[str], int]:
+               which: list[int] | None = None,
+               by_unit: bool = False) -> tuple[list[str], list[str], int]:
     """What one session sends on to the next: the units of ``out`` (:func:`_units`,
     ``records`` or not) that fit ``bundles`` bundles of ``budget`` bytes, in order, as a
     transfer of their own (:func:`_layout`) in ``dest/b1``, ``dest/b2``...
     (:func:`bundle_folder`), one call each way per bundle; ``which`` writes only those
-    bundles (each GPU call sends back its own). Returns the units kept (``records`` first),
-    those left behind, and the bundles the kept ones fill."""
+    bundles (each GPU call sends back its own); ``by_unit``: see :func:`_layout`. Returns the
+    units kept (``records`` first), those left behind, and the bundles the kept ones fill."""
     kept, left, size = [], [], 0
     for name, blob in _tars(out, records):
         if size + len(blob) <= bundles * budget:
@@ -864,7 +875,7 @@ def carry_over(out: Path, dest: Path, budget: int, bundles: int = 1, records: bo
             size += len(blob)
         else:
             left.append(name)
-    listing, stream = _layout(kept, budget)
+    listing, stream = _layout(kept, budget, by_unit)
     for k in which or range(1, listing["bundles"] + 1):
         if not 1 <= k <= listing["bundles"]:
             raise UserError(f"{out}: its carry-over has {listing['bundles']} bundle(s); there "
@@ -1021,7 +1032,8 @@ def queue_cli(args) -> None:
     if action == "unpack" and not args.source:
         raise UserError("queue unpack needs --from DEST...")
     if action == "pack":
-        files, n_bundles = pack(out, Path(args.to), args.bundle, int(args.bundle_mib * 2**20))
+        files, n_bundles = pack(out, Path(args.to), args.bundle, int(args.bundle_mib * 2**20),
+                                by_unit=args.by_unit)
         print("\n".join(map(str, files)))
         if n_bundles > 1:
             print(f"bundle {args.bundle} of {n_bundles}: pack the others with --bundle K, "
@@ -1139,6 +1151,10 @@ def add_parser(sub) -> None:
     s.add_argument("--bundle", type=int, default=1, help="pack: which bundle to write")
     s.add_argument("--bundle-mib", type=float, default=PACK_BUDGET / 2**20,
                    help="pack: the most MiB a bundle holds")
+    s.add_argument("--by-unit", action="store_true",
+                   help="pack: also begin a piece at each unit, for a carry-over committed to "
+                        "git (runs/inbox), which stores an unchanged run's pieces once; not "
+                        "for a reply, whose bundle may then exceed four pieces")
     s.add_argument("--from", dest="source", nargs="+", default=None,
                    help="unpack: the bundles' folders")
     s.set_defaults(func=queue_cli)

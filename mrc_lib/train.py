@@ -248,6 +248,21 @@ def build_optimizer(cfg: TrainConfig, model: nn.Module,
                 fused=device.type == "cuda", capturable=graphs)
 
 
+# The optimizer options that follow from the device, not from the run (build_optimizer).
+DEVICE_OPTIONS = ("capturable", "foreach", "fused")
+
+
+def on_this_device(state: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``state``, an optimizer's saved state, with ``optimizer``'s :data:`DEVICE_OPTIONS`
+    in place of its own: a run checkpointed on a GPU (``capturable`` where its steps replay as
+    CUDA graphs) resumes on a CPU, and the other way round. ``load_state_dict`` takes the saved
+    groups' options, and places each step count by them (on the device when ``capturable`` or
+    ``fused``, else where it was saved)."""
+    groups = [{**saved, **{k: group[k] for k in DEVICE_OPTIONS if k in group}}
+              for saved, group in zip(state["param_groups"], optimizer.param_groups)]
+    return {**state, "param_groups": groups}
+
+
 # How compiled() traces a reader, as the compiled bring-ups know it (each compiled file records
 # it): a change in its tracing raises it, and a GPU session then measures again a compile step
 # whose file holds an error of an earlier revision (benchmarks/gpu_session.py), which the
@@ -633,7 +648,7 @@ class Trainer:
                             f"{sorted(unexpected)})")
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(on_this_device(state["optimizer"], self.optimizer))
         self.schedule.load_state_dict(state["schedule"])
         set_rng_state(state["rng"])
         self.progress = Progress(**state["progress"])

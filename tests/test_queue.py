@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import re
 import signal
 import threading
@@ -318,6 +319,51 @@ def test_a_run_larger_than_a_bundle_travels_over_several(tmp_path, monkeypatch):
     queue.pack(out, tmp_path / "b2", bundle=2, budget=31_000)
     with pytest.raises(UserError, match="another pack"):
         queue.unpack(bundles, tmp_path / "mixed")
+
+
+def test_a_carry_over_cut_by_unit_keeps_an_unchanged_runs_pieces(tmp_path, monkeypatch):
+    """A committed carry-over (``by_unit``) begins a piece at each unit: when the records and
+    one run change size between two sessions, the run that did not change is cut into the same
+    pieces, which git stores once; cut only by size, every piece after the change differs."""
+    out = tmp_path / "q"
+    for name, size in (("moving", 20_000), ("still", 40_000)):
+        run = out / "ch" / name
+        run.mkdir(parents=True)
+        (run / "status.json").write_text(json.dumps({"complete": False}))
+        (run / "checkpoint.pt.000").write_bytes(random.Random(name).randbytes(size))
+    (out / "records" / "ch").mkdir(parents=True)
+    (out / "records" / "ch" / "moving.json").write_text("{}")
+    monkeypatch.setattr(queue, "PIECE_BYTES", 15_000)
+
+    def pieces(dest: Path, by_unit: bool) -> tuple[dict, set[str]]:
+        files, _ = queue.pack(out, dest, budget=200_000, by_unit=by_unit)
+        listing = json.loads(files[0].read_text())
+        return listing, {p["sha256"] for p in listing["pieces"]}
+
+    before, cut = pieces(tmp_path / "before", True)
+    for piece in before["pieces"]:  # no piece straddles two units
+        units = [u for u in before["units"] if u["offset"] <= piece["offset"]
+                 < u["offset"] + u["bytes"]]
+        assert piece["offset"] + piece["bytes"] <= units[0]["offset"] + units[0]["bytes"]
+    trained = random.Random(1).randbytes(30_000)
+    (out / "ch" / "moving" / "checkpoint.pt.000").write_bytes(trained)  # it trained on
+    (out / "records" / "ch" / "moving.json").write_text(json.dumps({"x": "y" * 20_000}))
+    after, kept = pieces(tmp_path / "after", True)
+    still = next(u for u in after["units"] if u["unit"] == "ch/still")
+    assert still["offset"] != next(u for u in before["units"]
+                                   if u["unit"] == "ch/still")["offset"]  # it moved
+    assert {p["sha256"] for p in after["pieces"] if still["offset"] <= p["offset"]} <= cut
+    assert queue.unpack([tmp_path / "after"], tmp_path / "back")[1] == []
+    assert (tmp_path / "back" / "ch" / "moving" / "checkpoint.pt.000").read_bytes() == trained
+    # cut by size alone, the run that did not change is new pieces
+    (out / "ch" / "moving" / "checkpoint.pt.000").write_bytes(random.Random(0).randbytes(20_000))
+    (out / "records" / "ch" / "moving.json").write_text("{}")
+    _, plain = pieces(tmp_path / "plain", False)
+    (out / "ch" / "moving" / "checkpoint.pt.000").write_bytes(trained)
+    moved, _ = pieces(tmp_path / "moved", False)
+    changed = next(u for u in moved["units"] if u["unit"] == "ch/moving")["offset"]
+    assert not {p["sha256"] for p in moved["pieces"]
+                if p["offset"] + p["bytes"] > changed} & plain
 
 
 def test_a_bundle_is_at_most_four_pieces_whatever_its_runs(tmp_path, monkeypatch):

@@ -398,6 +398,35 @@ def test_resume_extends_a_finished_run_and_refuses_other_changes(tmp_path, data)
         engine.train(toy_config(), tmp_path / "empty", resume=True, data=data)
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adadelta"])
+def test_a_checkpoint_of_graphed_steps_resumes_on_a_cpu(tmp_path, data, optimizer):
+    """A GPU session whose steps replay as CUDA graphs checkpoints a ``capturable`` optimizer
+    (Adam also ``fused``; step counts and rates float32 tensors). A CPU resumes it with its own
+    options (:func:`mrc_lib.train.on_this_device`), exactly as from its own checkpoint."""
+    cfg = toy_config(epochs=1, optimizer=optimizer)
+    engine.train(cfg, tmp_path / "cpu", data=data)
+    state = load_checkpoint(tmp_path / "cpu" / "checkpoint.pt")
+    saved = state["optimizer"]
+    graphed = {**saved, "param_groups": [
+        {**g, "capturable": True, "foreach": True, "lr": torch.tensor(g["lr"]),
+         **({"fused": True} if "fused" in g else {})} for g in saved["param_groups"]],
+        "state": {i: {k: v.float() if k == "step" else v for k, v in s.items()}
+                  for i, s in saved["state"].items()}}
+    (tmp_path / "gpu").mkdir()
+    for name in ("config.json", "log.jsonl"):
+        (tmp_path / "gpu" / name).write_bytes((tmp_path / "cpu" / name).read_bytes())
+    save_checkpoint(tmp_path / "gpu" / "checkpoint.pt", {**state, "optimizer": graphed})
+    longer = toy_config(epochs=2, optimizer=optimizer)
+    ours = engine.train(longer, tmp_path / "cpu", resume=True, data=data)
+    theirs = engine.train(longer, tmp_path / "gpu", resume=True, data=data)
+    for a, b in zip(theirs["history"], ours["history"], strict=True):
+        assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
+    final, own = state_of(tmp_path / "gpu" / "model.pt"), state_of(tmp_path / "cpu/model.pt")
+    assert all(torch.equal(final[k], own[k]) for k in own)
+    groups = load_checkpoint(tmp_path / "gpu" / "checkpoint.pt")["optimizer"]["param_groups"]
+    assert not any(g["capturable"] or g.get("fused") for g in groups)
+
+
 def test_a_shorter_schedule_is_the_first_epochs_of_the_longer_run(tmp_path, data):
     """The matched baseline of ablations on a shorter schedule (``records.after_epochs``): a
     run of ``epochs=5`` is the first five epochs of the same config's longer run, plateau
