@@ -348,7 +348,7 @@ def test_a_carry_over_cut_by_unit_keeps_an_unchanged_runs_pieces(tmp_path, monke
     trained = random.Random(1).randbytes(30_000)
     (out / "ch" / "moving" / "checkpoint.pt.000").write_bytes(trained)  # it trained on
     (out / "records" / "ch" / "moving.json").write_text(json.dumps({"x": "y" * 20_000}))
-    after, kept = pieces(tmp_path / "after", True)
+    after, _ = pieces(tmp_path / "after", True)
     still = next(u for u in after["units"] if u["unit"] == "ch/still")
     assert still["offset"] != next(u for u in before["units"]
                                    if u["unit"] == "ch/still")["offset"]  # it moved
