@@ -586,8 +586,13 @@ class Progress:
     log_bytes: int = 0  # size of log.jsonl when the checkpoint was written
     peak_memory_bytes: int = 0  # the highest peak of the run's processes up to the checkpoint
     # Where each session that trained the run ran, from its first step (:meth:`Trainer.start`);
-    # a checkpoint older than this list starts it with an unrecorded device at step 0.
+    # a checkpoint older than this list starts it at step 0 with the device of the folder's
+    # record of that time, or an unrecorded one (:meth:`Trainer._sessions_before`).
     sessions: list[dict] = field(default_factory=list)
+
+
+# What a session notes besides its first step, as a run's record names them.
+SESSION_FIELDS = ("device", "device_type", "rnn_precision", "torch", "cuda", "git_commit")
 
 
 class Trainer:
@@ -673,15 +678,33 @@ class Trainer:
                 self.data.vocab.save(self.out / "vocab")
 
     def _add_session(self) -> None:
-        """Note in the progress where this session trains, from the step it starts at."""
-        sessions = self.progress.sessions
-        if not sessions and self.progress.global_step:
-            sessions.append({"step": 0, "device": None})  # trained before sessions were noted
-        sessions.append({"step": self.progress.global_step, "device": device_name(self.device),
+        """Note in the progress where this session trains, from the step it starts at. Steps
+        trained before sessions were noted (a leading unrecorded device) take what
+        :meth:`_sessions_before` finds."""
+        sessions, step = self.progress.sessions, self.progress.global_step
+        if step and (not sessions or sessions[0]["device"] is None):
+            sessions[:1] = self._sessions_before(sessions[1]["step"] if sessions[1:] else step)
+        sessions.append({"step": step, "device": device_name(self.device),
                          "device_type": self.device.type,
                          "rnn_precision": rnn_precision(self.model, self.device),
                          "torch": str(torch.__version__), "cuda": torch.version.cuda,
                          "git_commit": self.commit})
+
+    def _sessions_before(self, until: int) -> list[dict]:
+        """The sessions of steps 1-``until``, trained before sessions were noted. The folder's
+        ``metrics.json`` of that time (one without ``sessions``: it names the device of the
+        session that wrote it, :func:`mrc_lib.records.trained_on`) gives the device of its
+        steps; any steps after them, and all of them without such a record, stay unrecorded."""
+        path = self.out / "metrics.json"
+        try:
+            record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise UserError(f"{path}: not a readable metrics record ({err})") from None
+        steps = record.get("steps") or 0
+        if record.get("sessions") or not 0 < steps <= until or record.get("device") is None:
+            return [{"step": 0, "device": None}]
+        known = {"step": 0, **{key: record[key] for key in SESSION_FIELDS if key in record}}
+        return [known, *([{"step": steps, "device": None}] if steps < until else [])]
 
     def _check_resumable(self, saved: dict) -> None:
         """Refuse a resume whose config differs from the checkpoint's in more than

@@ -765,6 +765,63 @@ def test_each_session_notes_where_it_trained_from_its_first_step(tmp_path, data,
     assert again["sessions"][0] == {"step": 0, "device": None}
 
 
+@pytest.mark.parametrize("record_steps, before", [
+    (1, None),  # a checkpoint older than the sessions list
+    (1, [{"step": 0, "device": None}, {"step": 2, "device": "Old CPU"}]),  # resumed before
+    (2, None),  # the record was written at the checkpoint's step
+])
+def test_steps_before_sessions_were_noted_take_the_device_of_that_times_record(
+        tmp_path, data, monkeypatch, record_steps, before):
+    """A checkpoint older than the sessions list (or resumed by code that noted its first
+    steps as an unrecorded device) takes the device of the folder's ``metrics.json`` of that
+    time, one without ``sessions``, for that record's steps; steps after them stay
+    unrecorded. A record with sessions, or none, leaves the unrecorded device."""
+    steps = iter(range(1, 100))
+    monkeypatch.setattr(engine.time, "time", lambda: next(steps))
+    engine.train(toy_config(epochs=2, checkpoint_every=None), tmp_path, data=data, deadline=2)
+    monkeypatch.undo()
+    path = tmp_path / "checkpoint.pt"
+    state = load_checkpoint(path)
+    assert state["progress"]["global_step"] == 2
+    if before is None:
+        del state["progress"]["sessions"]
+    else:
+        state["progress"]["sessions"] = before
+    save_checkpoint(path, state)
+    h200 = {"device": "NVIDIA H200", "device_type": "cuda", "rnn_precision": "TF32",
+            "torch": "2.11.0+cu130", "cuda": "13.0", "git_commit": "67e4dea"}
+    (tmp_path / "metrics.json").write_text(json.dumps({"steps": record_steps, **h200,
+                                                       "sessions": None}))
+    monkeypatch.setattr(engine, "device_name", lambda device: "Another CPU")
+    resumed = engine.train(toy_config(epochs=2, checkpoint_every=None), tmp_path, resume=True,
+                           data=data)
+    unrecorded = [{"step": 1, "device": None}] if record_steps < 2 else []
+    assert [{"step": 0, **h200}, *unrecorded, *(before or [])[1:]] == resumed["sessions"][:-1]
+    assert resumed["sessions"][-1]["device"] == "Another CPU"
+    where = records.trained_on(resumed)
+    assert where.startswith(f"NVIDIA H200 (TF32) for steps 1-{record_steps} and ")
+    assert ("an unrecorded device for steps 2-2" in where) == (record_steps < 2)
+    # A record that notes sessions (written by this code) leaves the unrecorded device.
+    state = load_checkpoint(path)
+    state["progress"]["sessions"] = [{"step": 0, "device": None}]
+    save_checkpoint(path, state)
+    again = engine.train(toy_config(epochs=3, checkpoint_every=None), tmp_path, resume=True,
+                         data=data)
+    assert again["sessions"][0] == {"step": 0, "device": None}
+
+
+def test_an_unreadable_record_of_a_run_before_sessions_is_a_one_line_error(tmp_path, data):
+    engine.train(toy_config(epochs=1, checkpoint_every=None), tmp_path, data=data)
+    path = tmp_path / "checkpoint.pt"
+    state = load_checkpoint(path)
+    del state["progress"]["sessions"]
+    save_checkpoint(path, state)
+    (tmp_path / "metrics.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"metrics\.json: not a readable metrics record"):
+        engine.train(toy_config(epochs=2, checkpoint_every=None), tmp_path, resume=True,
+                     data=data)
+
+
 def test_peak_memory_is_the_highest_of_the_sessions_a_run_spans(tmp_path, data, monkeypatch):
     """A resumed run reports the peak of every process it ran in, not only the last one's."""
     cfg = toy_config(epochs=2, checkpoint_every=None)
