@@ -591,10 +591,6 @@ class Progress:
     sessions: list[dict] = field(default_factory=list)
 
 
-# What a session notes besides its first step, as a run's record names them.
-SESSION_FIELDS = ("device", "device_type", "rnn_precision", "torch", "cuda", "git_commit")
-
-
 class Trainer:
     """Trains ``cfg.model`` on ``data.splits["train"]`` for ``cfg.task``, evaluating on
     ``data.splits["dev"]`` (and ``["test"]``)."""
@@ -684,11 +680,14 @@ class Trainer:
         sessions, step = self.progress.sessions, self.progress.global_step
         if step and (not sessions or sessions[0]["device"] is None):
             sessions[:1] = self._sessions_before(sessions[1]["step"] if sessions[1:] else step)
-        sessions.append({"step": step, "device": device_name(self.device),
-                         "device_type": self.device.type,
-                         "rnn_precision": rnn_precision(self.model, self.device),
-                         "torch": str(torch.__version__), "cuda": torch.version.cuda,
-                         "git_commit": self.commit})
+        sessions.append({"step": step, **self._where()})
+
+    def _where(self) -> dict:
+        """Where this session trains, as a session of the progress and the run's record name it."""
+        return {"device": device_name(self.device), "device_type": self.device.type,
+                "rnn_precision": rnn_precision(self.model, self.device),
+                "torch": str(torch.__version__), "cuda": torch.version.cuda,
+                "git_commit": self.commit}
 
     def _sessions_before(self, until: int) -> list[dict]:
         """The sessions of steps 1-``until``, trained before sessions were noted. The folder's
@@ -703,7 +702,7 @@ class Trainer:
         steps = record.get("steps") or 0
         if record.get("sessions") or not 0 < steps <= until or record.get("device") is None:
             return [{"step": 0, "device": None}]
-        known = {"step": 0, **{key: record[key] for key in SESSION_FIELDS if key in record}}
+        known = {"step": 0, **{key: record[key] for key in self._where() if key in record}}
         return [known, *([{"step": steps, "device": None}] if steps < until else [])]
 
     def _check_resumable(self, saved: dict) -> None:
@@ -933,10 +932,7 @@ class Trainer:
             "seconds_per_epoch": progress.seconds_per_epoch,
             "peak_memory_bytes": self._peak_memory(),
             "params": count_parameters(self.model),
-            "device": device_name(self.device), "device_type": self.device.type,
-            "rnn_precision": rnn_precision(self.model, self.device),
-            "world_size": self.process.world_size,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": self.commit,
+            **self._where(), "world_size": self.process.world_size,
             "complete": self._finished_all(),
             "data_digests": self.data.digests, "config": cfg.to_dict(),
             "history": progress.history, "sessions": progress.sessions,
