@@ -103,7 +103,8 @@ def make_record(metrics: dict, *, chapter: str, run: str, log_path: Path | None 
     from mrc_lib.models import effective_hparams
 
     config = {**metrics["config"], "hparams": effective_hparams(metrics["config"])}
-    train_seconds = sum(metrics["seconds_per_epoch"])
+    # every training second, those of an epoch a deadline cut included, as the steps are
+    train_seconds = sum(metrics["seconds_per_epoch"]) + metrics.get("seconds_this_epoch", 0.0)
     wall = train_seconds + sum(h.get("eval_seconds", 0.0) for h in metrics["history"])
     examples = metrics["steps"] * config["batch_size"] * metrics.get("world_size", 1)
     return {"schema": SCHEMA, "chapter": chapter, "run": run,
@@ -244,7 +245,8 @@ def after_epochs(record: dict, epochs: int) -> dict:
     cut = {k: v for k, v in record.items() if k != "analysis"}
     return {**cut, "dev": history[-1]["dev"], "best_epoch": best["epoch"],
             "best_dev": best["dev"], **tests, "epochs_run": epochs, "steps": history[-1]["step"],
-            "seconds_per_epoch": record["seconds_per_epoch"][:epochs], "history": history,
+            "seconds_per_epoch": record["seconds_per_epoch"][:epochs], "seconds_this_epoch": 0.0,
+            "history": history,
             "config": {**record["config"], "epochs": epochs}, "after_epochs": epochs}
 
 

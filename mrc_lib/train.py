@@ -930,6 +930,8 @@ class Trainer:
                if "test" in self.data.splits else {}),
             "epochs_run": len(progress.seconds_per_epoch), "steps": progress.global_step,
             "seconds_per_epoch": progress.seconds_per_epoch,
+            # the training seconds of an epoch a deadline or a signal cut (0 at an epoch's end)
+            "seconds_this_epoch": progress.train_seconds,
             "peak_memory_bytes": self._peak_memory(),
             "params": count_parameters(self.model),
             **self._where(), "world_size": self.process.world_size,

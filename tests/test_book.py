@@ -377,7 +377,8 @@ def test_runs_table_gives_the_last_and_the_best_dev_epochs_test_scores():
 
 
 def test_runs_table_leaves_minutes_empty_before_the_first_epochs_end():
-    """A partial run stopped inside its first epoch records wall_seconds 0: no time, not 0."""
+    """A partial record made before records counted a cut epoch's seconds, stopped inside its
+    first epoch, has wall_seconds 0: no time known, not 0 minutes."""
     from mrc_lib.book import runs_table
 
     record = {"run": "r", "config": {"epochs": 5}, "device": "Intel Xeon", "cuda": None,

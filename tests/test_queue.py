@@ -99,6 +99,10 @@ def test_runner_two_processes_deadline_stop_and_exact_resume(mirror, tmp_path, t
     # Its partial record keeps how far it got, for a checkout that never sees its checkpoint.
     partial = json.loads((gpu / "records" / "tq" / "bidaf_seed0.json").read_text())
     assert partial["complete"] is False and partial["steps"] == 1
+    # Its time is that step's, cut before its epoch's end, as its throughput is.
+    assert partial["seconds_this_epoch"] > 0 and partial["history"] == []
+    assert partial["wall_seconds"] == round(partial["seconds_this_epoch"], 3)
+    assert partial["examples_per_second"] > 0
     assert queue.record_of(seed0, gpu, "smoke") is None
     assert queue.record_of(seed0, gpu, "smoke", complete=False)["steps"] == 1
     # The carry-over's estimate of its checkpoint, made before any step, is its packed size at

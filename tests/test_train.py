@@ -436,7 +436,7 @@ def test_a_shorter_schedule_is_the_first_epochs_of_the_longer_run(tmp_path, data
                                              data=data), chapter="toy", run="whole")
     short = engine.train(toy_config(epochs=5, **cfg), tmp_path / "s", data=data)
     cut = records.after_epochs(whole, 5)
-    for key in ("dev", "best_epoch", "best_dev", "epochs_run", "steps"):
+    for key in ("dev", "best_epoch", "best_dev", "epochs_run", "steps", "seconds_this_epoch"):
         assert cut[key] == short[key], key
     for a, b in zip(cut["history"], short["history"], strict=True):
         assert (a["dev"], a["train_loss"], a["lr"]) == (b["dev"], b["train_loss"], b["lr"])
