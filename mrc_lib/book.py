@@ -283,9 +283,7 @@ def runs_table(rows: list[tuple[dict, str]]) -> str:
             + [(record.get("best_dev") or {}).get(k) for k, _ in names]
             + [(record.get("test") or {}).get(k) for k, _ in tests]
             + [(record.get("best_test") or {}).get(k) for k, _ in tests]
-            # wall_seconds 0: a partial record made before records counted a cut epoch's
-            # seconds (seconds_this_epoch), stopped inside its first epoch: no time known
-            + [record["wall_seconds"] / 60 if record.get("wall_seconds") else None,
+            + [record.get("wall_seconds") and record["wall_seconds"] / 60,
                record.get("peak_memory_bytes") and record["peak_memory_bytes"] / 2**30])
     return markdown_table(columns, table)
 

@@ -376,17 +376,6 @@ def test_runs_table_gives_the_last_and_the_best_dev_epochs_test_scores():
                    "| 16.61 | 10 | 1 |")
 
 
-def test_runs_table_leaves_minutes_empty_before_the_first_epochs_end():
-    """A partial record made before records counted a cut epoch's seconds, stopped inside its
-    first epoch, has wall_seconds 0: no time known, not 0 minutes."""
-    from mrc_lib.book import runs_table
-
-    record = {"run": "r", "config": {"epochs": 5}, "device": "Intel Xeon", "cuda": None,
-              "epochs_run": 0, "wall_seconds": 0.0, "peak_memory_bytes": 2**30}
-    row = runs_table([(record, "partial")]).splitlines()[-1]
-    assert row.endswith("| 0 of 5 | — | — | 1 |")
-
-
 def test_full_runs_page_without_records_or_benchmarks(tmp_path):
     from .test_queue import TINY, write_queue
 
